@@ -1,0 +1,255 @@
+"""Typed wrappers around apex_amp's fused multi-tensor ops.
+
+Each function takes whole lists of tensors and makes one op call for all of
+them. They call the compiled kernels (``torch.ops.apex_amp``) when the
+extension is loaded, otherwise the pure-PyTorch fallback
+(``torch.ops.apex_amp_fallback``) with the same semantics; see
+:data:`apex_amp._extension.STATUS` for which and why.
+
+Conventions:
+  * ``found_inf`` is a one-element float32 tensor; ops that check values write
+    1.0 into it on the first inf/NaN and never clear it.
+  * ``inv_scale`` / ``scale`` / ``a`` are one-element float32 tensors on the
+    tensors' device, so no call forces a host sync.
+  * fp32, fp16 and bf16 tensors may be mixed in one list; math runs in fp32.
+
+Example::
+
+    >>> found_inf = torch.zeros(1)
+    >>> inv_scale = torch.full((1,), 1 / 65536.0)
+    >>> grads = [p.grad for p in model.parameters()]
+    >>> apex_amp.ops.unscale_(grads, found_inf, inv_scale)
+    >>> if found_inf.item():   # host sync: only when you need the answer now
+    ...     print("overflow, skip this step")
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import _fallback  # noqa: F401  (registers torch.ops.apex_amp_fallback)
+from ._extension import STATUS
+
+__all__ = [
+    "BACKEND",
+    "check_finite",
+    "unscale_",
+    "scale_",
+    "axpby_",
+    "l2norm",
+    "fused_adam_",
+    "update_scale_",
+    "backend_namespace",
+]
+
+# "extension" or "fallback": which implementation these wrappers call.
+BACKEND: str = "extension" if STATUS.loaded else "fallback"
+
+OP_NAMES = (
+    "check_finite",
+    "unscale_",
+    "scale_",
+    "axpby_",
+    "l2norm",
+    "fused_adam_",
+    "update_scale_",
+)
+
+
+def backend_namespace(backend: Optional[str] = None):
+    """The ``torch.ops`` namespace of ``backend`` ("extension" or "fallback").
+
+    Args:
+        backend: which implementation; ``None`` means the one in use (:data:`BACKEND`).
+    """
+    backend = BACKEND if backend is None else backend
+    if backend == "extension":
+        if not STATUS.loaded:
+            raise RuntimeError(
+                f"apex_amp's compiled extension is not available ({STATUS.reason}); "
+                "use backend='fallback' or rebuild with `pip install --no-build-isolation .`"
+            )
+        return torch.ops.apex_amp
+    if backend == "fallback":
+        return torch.ops.apex_amp_fallback
+    raise ValueError(f"backend must be 'extension' or 'fallback', got {backend!r}")
+
+
+_ops = backend_namespace()
+
+
+def check_finite(tensors: Sequence[Tensor], found_inf: Tensor) -> None:
+    """Set ``found_inf`` to 1 if any element of ``tensors`` is inf or NaN (read-only).
+
+    Args:
+        tensors: tensors to check (fp32/fp16/bf16, may be mixed).
+        found_inf: one-element float32 flag, written only when a bad value is found.
+    """
+    _ops.check_finite(list(tensors), found_inf)
+
+
+def unscale_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """Multiply ``grads`` by ``inv_scale`` in place and flag non-finite values.
+
+    Args:
+        grads: gradients to unscale in place (fp32/fp16/bf16, may be mixed).
+        found_inf: one-element float32 flag, set to 1 if any grad element is inf/NaN.
+        inv_scale: one-element float32 tensor, usually ``1 / loss_scale``.
+    """
+    _ops.unscale_(list(grads), found_inf, inv_scale)
+
+
+def scale_(src: Sequence[Tensor], dst: Sequence[Tensor], scale: Tensor, found_inf: Tensor) -> None:
+    """Write ``dst[i] = src[i] * scale`` with dtype conversion and flag non-finite values.
+
+    Used for model grads -> fp32 master grads (``scale = 1/loss_scale``) and
+    fp32 master params -> half model params (``scale = 1``).
+
+    Args:
+        src: input tensors.
+        dst: output tensors, same sizes as ``src``; may be ``src`` itself.
+        scale: one-element float32 multiplier.
+        found_inf: one-element float32 flag, set to 1 if an element of ``src``
+            or of the converted result is inf/NaN.
+    """
+    _ops.scale_(list(src), list(dst), scale, found_inf)
+
+
+def axpby_(x: Sequence[Tensor], y: Sequence[Tensor], a: Tensor, b: float, found_inf: Tensor) -> None:
+    """Compute ``y[i] = a * x[i] + b * y[i]`` in place and flag non-finite values.
+
+    Gradient accumulation across backward passes with different loss scales:
+    ``x`` holds the new scaled grads, ``a`` their inverse scale, ``y`` the
+    stashed unscaled grads with ``b = 1``.
+
+    Args:
+        x: input tensors.
+        y: accumulators, updated in place, same sizes as ``x``.
+        a: one-element float32 multiplier of ``x`` (a device scalar: no host sync).
+        b: multiplier of ``y``.
+        found_inf: one-element float32 flag, set to 1 if an element of ``x`` or
+            of the result is inf/NaN.
+    """
+    _ops.axpby_(list(x), list(y), a, float(b), found_inf)
+
+
+def l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> tuple[Tensor, Tensor]:
+    """The L2 norm of all elements of ``tensors`` (and of each tensor), in fp32.
+
+    Args:
+        tensors: tensors to measure (fp32/fp16/bf16, may be mixed).
+        per_tensor: also return one norm per tensor.
+
+    Returns:
+        ``(total, per_tensor_norms)``: a 0-dim float32 tensor, and a float32
+        tensor of ``len(tensors)`` norms (empty when ``per_tensor`` is False).
+    """
+    return _ops.l2norm(list(tensors), per_tensor)
+
+
+def fused_adam_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    step: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    model_params: Sequence[Tensor] = (),
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """One Adam or AdamW step over whole lists of tensors, one pass per element.
+
+    Args:
+        params: weights to update: fp32 masters, or the same dtype as ``grads``.
+        grads: gradients (fp32/fp16/bf16); multiplied by ``inv_scale`` when given.
+        exp_avgs: first moments, same dtype as ``params``, updated in place.
+        exp_avg_sqs: second moments, same dtype as ``params``, updated in place.
+        step: one-element float32 step counter, incremented by the op (unless skipped);
+            bias correction uses the incremented value.
+        lr: learning rate.
+        beta1: first-moment decay.
+        beta2: second-moment decay.
+        eps: added to the denominator.
+        weight_decay: decay factor; decoupled (AdamW) or L2 (Adam) per ``adamw_mode``.
+        adamw_mode: True for AdamW, False for Adam with L2 weight decay.
+        bias_correction: apply Adam's bias correction.
+        model_params: empty, or fp16/bf16 model weights rewritten from the
+            updated ``params`` in the same pass (O2's model copy).
+        inv_scale: one-element float32 factor applied to the grads (fused unscale).
+        found_inf: one-element float32 flag; when non-zero the op changes nothing.
+    """
+    _ops.fused_adam_(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(model_params),
+        step,
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        bool(adamw_mode),
+        bool(bias_correction),
+        inv_scale,
+        found_inf,
+    )
+
+
+def update_scale_(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_inf: Tensor,
+    *,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    hysteresis: int = 1,
+    min_scale: float = 1.0,
+    max_scale: float = 2.0**24,
+) -> None:
+    """Apply the dynamic loss-scale rule for one step, on the scale's device.
+
+    On overflow (``found_inf`` non-zero): reset the growth counter, spend one
+    unit of hysteresis, and once it is spent multiply the scale by
+    ``backoff_factor`` (floored at ``min_scale``). Otherwise count the clean
+    step; after ``growth_interval`` of them multiply the scale by
+    ``growth_factor`` (capped at ``max_scale``) and refill the hysteresis.
+
+    Args:
+        scale: one-element float32 loss scale, updated in place.
+        growth_tracker: one-element int32 count of clean steps in a row.
+        hysteresis_tracker: one-element int32 count of overflows still tolerated.
+        found_inf: one-element float32 flag of this step.
+        growth_factor: multiplier after ``growth_interval`` clean steps.
+        backoff_factor: multiplier on overflow.
+        growth_interval: clean steps between growths.
+        hysteresis: overflows tolerated before backing off (1 = back off at once).
+        min_scale: floor of the scale.
+        max_scale: cap of the scale.
+    """
+    _ops.update_scale_(
+        scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_inf,
+        float(growth_factor),
+        float(backoff_factor),
+        int(growth_interval),
+        int(hysteresis),
+        float(min_scale),
+        float(max_scale),
+    )

@@ -1,0 +1,129 @@
+// Argument validation shared by the CPU and the CUDA launchers.
+//
+// Every message names the op, the argument (with its list index) and what was
+// expected, so a user who hands us the wrong tensor knows which one and why.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <c10/util/Exception.h>
+
+#include <initializer_list>
+#include <string>
+
+namespace apex_amp {
+
+inline std::string dtype_names(std::initializer_list<at::ScalarType> dtypes) {
+  std::string names;
+  for (auto dtype : dtypes) {
+    if (!names.empty()) {
+      names += ", ";
+    }
+    names += c10::toString(dtype);
+  }
+  return names;
+}
+
+inline bool dtype_in(at::ScalarType dtype, std::initializer_list<at::ScalarType> dtypes) {
+  for (auto allowed : dtypes) {
+    if (dtype == allowed) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The floating dtypes every list op accepts.
+constexpr std::initializer_list<at::ScalarType> kFloatingDtypes = {
+    at::kFloat, at::kHalf, at::kBFloat16};
+
+inline void check_same_length(
+    const char* op,
+    const char* name_a,
+    at::TensorList a,
+    const char* name_b,
+    at::TensorList b) {
+  TORCH_CHECK(
+      a.size() == b.size(), "apex_amp.", op, ": ", name_a, " and ", name_b,
+      " must be lists of the same length, got ", a.size(), " and ", b.size());
+}
+
+// Each tensor: defined, on `device`, contiguous, without internal overlap, of
+// one of `dtypes`.
+inline void check_tensor_list(
+    const char* op,
+    const char* name,
+    at::TensorList list,
+    const at::Device& device,
+    std::initializer_list<at::ScalarType> dtypes = kFloatingDtypes) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    const at::Tensor& t = list[i];
+    TORCH_CHECK(t.defined(), "apex_amp.", op, ": ", name, "[", i, "] is undefined");
+    TORCH_CHECK(
+        t.device() == device, "apex_amp.", op, ": ", name, "[", i, "] is on ", t.device(),
+        " but the op runs on ", device, "; move every tensor to one device");
+    TORCH_CHECK(
+        dtype_in(t.scalar_type(), dtypes), "apex_amp.", op, ": ", name, "[", i, "] has dtype ",
+        t.scalar_type(), "; expected one of ", dtype_names(dtypes));
+    TORCH_CHECK(
+        t.is_contiguous(), "apex_amp.", op, ": ", name, "[", i,
+        "] must be contiguous; call .contiguous() on it (parameters and gradients "
+        "normally are)");
+    TORCH_CHECK(
+        at::has_internal_overlap(t) != at::MemOverlap::Yes, "apex_amp.", op, ": ", name, "[", i,
+        "] has internally overlapping memory (e.g. from expand()); pass a tensor that "
+        "owns its elements");
+  }
+}
+
+// Corresponding tensors of two lists hold the same number of elements.
+inline void check_same_numel(
+    const char* op,
+    const char* name_a,
+    at::TensorList a,
+    const char* name_b,
+    at::TensorList b) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    TORCH_CHECK(
+        a[i].numel() == b[i].numel(), "apex_amp.", op, ": ", name_a, "[", i, "] has ",
+        a[i].numel(), " elements but ", name_b, "[", i, "] has ", b[i].numel(),
+        "; corresponding tensors must have the same size");
+  }
+}
+
+// Two tensors written by one op must be the same memory or not overlap at all.
+inline void check_no_partial_overlap(
+    const char* op,
+    const char* name_a,
+    at::TensorList a,
+    const char* name_b,
+    at::TensorList b) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    const auto overlap = at::get_overlap_status(a[i], b[i]);
+    TORCH_CHECK(
+        overlap != at::MemOverlapStatus::Partial, "apex_amp.", op, ": ", name_a, "[", i,
+        "] and ", name_b, "[", i, "] partially overlap in memory; pass the same tensor or "
+        "separate ones");
+  }
+}
+
+// A one-element float32 tensor on `device` (found_inf, inv_scale, scale, step).
+inline void check_scalar_tensor(
+    const char* op,
+    const char* name,
+    const at::Tensor& t,
+    const at::Device& device,
+    at::ScalarType dtype = at::kFloat) {
+  TORCH_CHECK(t.defined(), "apex_amp.", op, ": ", name, " is undefined");
+  TORCH_CHECK(
+      t.numel() == 1, "apex_amp.", op, ": ", name, " must hold exactly one element, got ",
+      t.numel());
+  TORCH_CHECK(
+      t.scalar_type() == dtype, "apex_amp.", op, ": ", name, " must be ", dtype, ", got ",
+      t.scalar_type());
+  TORCH_CHECK(
+      t.device() == device, "apex_amp.", op, ": ", name, " is on ", t.device(),
+      " but the op runs on ", device, "; keep it on the same device as the tensors");
+}
+
+}  // namespace apex_amp
