@@ -14,6 +14,9 @@
 //     turns it into NaN on the first bad element, with no branch in the loop.
 //     (This is why the extension must never be built with -ffast-math.)
 #pragma once
+// Lets the CPU kernels check that they include this header first after their
+// instruction-set pragma (csrc/cpu/kernels.inc).
+#define APEX_AMP_AMP_MATH_H
 
 #include <c10/macros/Macros.h>
 
@@ -21,6 +24,26 @@
 #include <cstdint>
 
 namespace apex_amp {
+
+// Hyper-parameters of one Adam step, with the bias corrections already folded
+// into two scalars so that the per-element body does no pow().
+struct AdamStepParams {
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay;
+  float step_size;              // lr / (1 - beta1^step), or lr without bias correction
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step), or 1 without bias correction
+  bool adamw_mode;              // decoupled weight decay (AdamW) instead of L2 (Adam)
+};
+
+// Everything below has internal linkage (an unnamed namespace). The CPU
+// kernels compile this header once per instruction set (csrc/cpu/kernels_*.cpp);
+// with external linkage, the linker would keep one copy of, say,
+// adam_update<float> for all of them, possibly the AVX-512 one, which the
+// AVX2 kernels would then run on a CPU without AVX-512.
+namespace {
 
 template <typename T>
 struct ValueOps;
@@ -42,19 +65,6 @@ C10_HOST_DEVICE inline T nonfinite_probe(T x) {
 C10_HOST_DEVICE inline bool probe_says_nonfinite(float probe_sum) {
   return probe_sum != probe_sum;
 }
-
-// Hyper-parameters of one Adam step, with the bias corrections already folded
-// into two scalars so that the per-element body does no pow().
-struct AdamStepParams {
-  float lr;
-  float beta1;
-  float beta2;
-  float eps;
-  float weight_decay;
-  float step_size;              // lr / (1 - beta1^step), or lr without bias correction
-  float bias_correction2_sqrt;  // sqrt(1 - beta2^step), or 1 without bias correction
-  bool adamw_mode;              // decoupled weight decay (AdamW) instead of L2 (Adam)
-};
 
 // `step` is the step number after increment (1 on the first step).
 C10_HOST_DEVICE inline AdamStepParams make_adam_step_params(
@@ -157,4 +167,5 @@ C10_HOST_DEVICE inline void update_scale_math(
   }
 }
 
+}  // namespace
 }  // namespace apex_amp
