@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _fallback  # noqa: F401  (registers torch.ops.apex_amp_fallback)
+from . import _fallback  # registers torch.ops.apex_amp_fallback and holds the fake kernels
 from ._extension import STATUS
 
 __all__ = [
@@ -79,6 +79,13 @@ def backend_namespace(backend: Optional[str] = None):
 
 
 _ops = backend_namespace()
+
+# Fake (meta) kernels of the compiled ops, for torch.compile and meta tensors:
+# the fallback's, which validate arguments like the kernels and describe the
+# outputs (none for the in-place ops, new fp32 tensors for l2norm).
+if STATUS.loaded:
+    for _name, _fake_kernel in _fallback.FAKE_KERNELS.items():
+        torch.library.register_fake(f"apex_amp::{_name}", _fake_kernel)
 
 
 def check_finite(tensors: Sequence[Tensor], found_inf: Tensor) -> None:

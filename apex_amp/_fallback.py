@@ -1,0 +1,317 @@
+"""The pure-PyTorch implementation of every apex_amp op.
+
+Registered as real torch ops under ``torch.ops.apex_amp_fallback`` with the
+schemas of csrc/ops.cpp (a test keeps the two in agreement), so that
+:mod:`apex_amp.ops` can call either implementation the same way, and both
+work with ``torch.library.opcheck`` and ``torch.compile``. Used when the
+compiled extension is missing or ``APEX_AMP_FORCE_FALLBACK=1``.
+
+Semantics are those of the kernels: math in fp32 whatever the storage dtype,
+``found_inf`` written (1.0) only when an inf/NaN is met and never cleared,
+arguments validated with the kernels' messages (apex_amp/_validate.py). The
+fp32 arithmetic follows csrc/amp_math.h operation by operation, so results
+agree with the kernels to a few units in the last place.
+
+No op here forces a host-device sync: flags and the loss-scale rule are
+applied with masked writes on the device (``masked_fill_``, ``torch.where``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import _validate
+
+__all__ = ["NAMESPACE", "SCHEMAS", "FAKE_KERNELS"]
+
+NAMESPACE = "apex_amp_fallback"
+
+# Copied from csrc/ops.cpp (tests/test_ops_schema.py compares them with the extension's).
+SCHEMAS = {
+    "check_finite": "(Tensor[] tensors, Tensor(a!) found_inf) -> ()",
+    "unscale_": "(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()",
+    "scale_": "(Tensor[] src, Tensor(a!)[] dst, Tensor scale, Tensor(b!) found_inf) -> ()",
+    "axpby_": "(Tensor[] x, Tensor(a!)[] y, Tensor a, float b, Tensor(b!) found_inf) -> ()",
+    "l2norm": "(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)",
+    "fused_adam_": (
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+        "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] model_params, Tensor(e!) step, float lr, "
+        "float beta1, float beta2, float eps, float weight_decay, bool adamw_mode, "
+        "bool bias_correction, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()"
+    ),
+    "update_scale_": (
+        "(Tensor(a!) scale, Tensor(b!) growth_tracker, "
+        "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
+        "float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
+        "float max_scale) -> ()"
+    ),
+}
+
+
+def _op(name: str, mutates_args: tuple[str, ...]):
+    return torch.library.custom_op(
+        f"{NAMESPACE}::{name}", mutates_args=mutates_args, schema=SCHEMAS[name]
+    )
+
+
+def _f32(value: float) -> float:
+    # The kernels receive the schema's doubles as C++ floats: round the same way.
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+def _as_fp32(tensors: list[Tensor]) -> list[Tensor]:
+    return [t.float() for t in tensors]
+
+
+def _flag_nonfinite(found_inf: Tensor, tensors: list[Tensor]) -> None:
+    """found_inf := 1 if any element of ``tensors`` is inf or NaN; never cleared."""
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors:
+        return
+    # amp_math.h's probe: x * 0 is NaN exactly when x is inf or NaN, and a
+    # sum that meets a NaN stays NaN (a max would not, on every device).
+    probes = torch._foreach_mul(tensors, 0.0)
+    probe_sums = torch._foreach_norm(probes, 1, dtype=torch.float32)
+    any_nonfinite = torch.stack(probe_sums).sum().isnan()
+    found_inf.masked_fill_(any_nonfinite, 1.0)
+
+
+def _write(dst: list[Tensor], values: list[Tensor]) -> None:
+    # One rounding from the fp32 value to each destination's dtype.
+    if dst:
+        torch._foreach_copy_(dst, values)
+
+
+def _scaled_fp32(tensors: list[Tensor], factor: Tensor) -> list[Tensor]:
+    if not tensors:
+        return []
+    return torch._foreach_mul(_as_fp32(tensors), factor.reshape(()))
+
+
+@_op("check_finite", mutates_args=("found_inf",))
+def check_finite(tensors: list[Tensor], found_inf: Tensor) -> None:
+    _validate.validate_check_finite(tensors, found_inf)
+    _flag_nonfinite(found_inf, tensors)
+
+
+@_op("unscale_", mutates_args=("grads", "found_inf"))
+def unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    _validate.validate_unscale(grads, found_inf, inv_scale)
+    _flag_nonfinite(found_inf, grads)  # the grads as they come in, before scaling
+    _write(grads, _scaled_fp32(grads, inv_scale))
+
+
+@_op("scale_", mutates_args=("dst", "found_inf"))
+def scale_(src: list[Tensor], dst: list[Tensor], scale: Tensor, found_inf: Tensor) -> None:
+    _validate.validate_scale(src, dst, scale, found_inf)
+    results = [r.to(d.dtype) for r, d in zip(_scaled_fp32(src, scale), dst)]
+    # A non-finite src element gives a non-finite product (inf * 0 is NaN), so
+    # checking the converted results covers "src or result" in one pass.
+    _flag_nonfinite(found_inf, results)
+    _write(dst, results)
+
+
+@_op("axpby_", mutates_args=("y", "found_inf"))
+def axpby_(x: list[Tensor], y: list[Tensor], a: Tensor, b: float, found_inf: Tensor) -> None:
+    _validate.validate_axpby(x, y, a, found_inf)
+    if not x:
+        return
+    sums = torch._foreach_add(_scaled_fp32(x, a), torch._foreach_mul(_as_fp32(y), _f32(b)))
+    results = [r.to(t.dtype) for r, t in zip(sums, y)]
+    # As in scale_: an inf/NaN in x always reaches the result.
+    _flag_nonfinite(found_inf, results)
+    _write(y, results)
+
+
+@_op("l2norm", mutates_args=())
+def l2norm(tensors: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
+    _validate.validate_l2norm(tensors)
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    total = torch.linalg.vector_norm(norms)
+    return total, norms if per_tensor else norms.new_empty(0)
+
+
+def _step_taken(found_inf: Optional[Tensor]) -> Union[bool, Tensor]:
+    """Whether fused_adam_ takes its step: a bool when known without a sync, else a device mask."""
+    if found_inf is None:
+        return True
+    if found_inf.device.type == "cpu":
+        # Host memory: reading it is free, and lets a skipped step do no work.
+        return bool(found_inf.item() == 0)
+    return found_inf.reshape(()) == 0
+
+
+def _commit(dst: list[Tensor], values: list[Tensor], taken: Union[bool, Tensor]) -> None:
+    if taken is True:
+        _write(dst, values)
+    else:
+        # Skipped on the device: write every element back unchanged, bit for bit.
+        _write(dst, [torch.where(taken, v.to(d.dtype), d) for v, d in zip(values, dst)])
+
+
+def _adam_step_scalars(
+    step_after: Tensor, lr: float, beta1: float, beta2: float, bias_correction: bool
+) -> tuple[Union[float, Tensor], Union[float, Tensor]]:
+    """(step_size, sqrt(1 - beta2^step)) as in amp_math.h's make_adam_step_params."""
+    if not bias_correction:
+        return _f32(lr), 1.0
+    # In float64 on the step's device (beta^step loses all precision in fp32), then fp32.
+    step = step_after.reshape(()).double()
+    bias_correction1 = 1.0 - torch.pow(_f32(beta1), step)
+    bias_correction2 = 1.0 - torch.pow(_f32(beta2), step)
+    return (_f32(lr) / bias_correction1).float(), bias_correction2.sqrt().float()
+
+
+def _adam_math(params, grads, exp_avgs, exp_avg_sqs, inv_scale, step_size, bc2_sqrt, hyper):
+    """amp_math.h's adam_update on whole lists, in fp32, same order of operations."""
+    lr, beta1, beta2, eps, weight_decay, adamw_mode = hyper
+    grad = _as_fp32(grads)
+    if inv_scale is not None:
+        grad = torch._foreach_mul(grad, inv_scale.reshape(()))
+    param, exp_avg, exp_avg_sq = _as_fp32(params), _as_fp32(exp_avgs), _as_fp32(exp_avg_sqs)
+    if weight_decay != 0.0:
+        if adamw_mode:
+            param = torch._foreach_mul(param, _f32(1.0 - _f32(lr * weight_decay)))
+        else:
+            grad = torch._foreach_add(grad, torch._foreach_mul(param, weight_decay))
+    exp_avg = torch._foreach_add(
+        torch._foreach_mul(exp_avg, beta1), torch._foreach_mul(grad, _f32(1.0 - beta1))
+    )
+    exp_avg_sq = torch._foreach_add(
+        torch._foreach_mul(exp_avg_sq, beta2),
+        torch._foreach_mul(torch._foreach_mul(grad, _f32(1.0 - beta2)), grad),
+    )
+    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(exp_avg_sq), bc2_sqrt), eps)
+    param = torch._foreach_sub(param, torch._foreach_div(torch._foreach_mul(exp_avg, step_size), denom))
+    return param, exp_avg, exp_avg_sq
+
+
+@_op("fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "step"))
+def fused_adam_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    model_params: list[Tensor],
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool,
+    bias_correction: bool,
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    _validate.validate_fused_adam(
+        params, grads, exp_avgs, exp_avg_sqs, model_params, step,
+        lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf,
+    )
+    taken = _step_taken(found_inf)
+    if taken is False:
+        return
+    step_after = step + 1.0
+    if params:
+        step_size, bc2_sqrt = _adam_step_scalars(step_after, lr, beta1, beta2, bias_correction)
+        hyper = tuple(_f32(h) for h in (lr, beta1, beta2, eps, weight_decay)) + (adamw_mode,)
+        param, exp_avg, exp_avg_sq = _adam_math(
+            params, grads, exp_avgs, exp_avg_sqs, inv_scale, step_size, bc2_sqrt, hyper
+        )
+        _commit(params, param, taken)
+        _commit(exp_avgs, exp_avg, taken)
+        _commit(exp_avg_sqs, exp_avg_sq, taken)
+        _commit(model_params, param, taken)
+    _commit([step], [step_after], taken)
+
+
+@_op("update_scale_", mutates_args=("scale", "growth_tracker", "hysteresis_tracker"))
+def update_scale_(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_inf: Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float,
+    max_scale: float,
+) -> None:
+    _validate.validate_update_scale(
+        scale, growth_tracker, hysteresis_tracker, found_inf,
+        growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+    )
+    # amp_math.h's update_scale_math with both branches computed and the
+    # right one picked on the device (no host sync).
+    min_scale, max_scale = _f32(min_scale), _f32(max_scale)
+    overflow = found_inf.reshape(()) != 0
+    old_scale = scale.reshape(())
+    old_growth = growth_tracker.reshape(())
+    old_hysteresis = hysteresis_tracker.reshape(())
+
+    spent_hysteresis = torch.clamp_min(old_hysteresis - 1, 0)
+    reduced = old_scale * _f32(backoff_factor)
+    backed_off = torch.where(reduced > min_scale, reduced, min_scale)
+    scale_on_overflow = torch.where(spent_hysteresis <= 0, backed_off, old_scale)
+
+    counted = old_growth + 1
+    grows = counted >= growth_interval
+    grown = old_scale * _f32(growth_factor)
+    # A grown scale above max_scale is capped; one that overflows float never replaces the old.
+    capped = torch.where(grown <= max_scale, grown, torch.where(old_scale < max_scale, max_scale, old_scale))
+    scale_when_clean = torch.where(grows, capped, old_scale)
+
+    scale.copy_(torch.where(overflow, scale_on_overflow, scale_when_clean))
+    growth_tracker.copy_(torch.where(overflow | grows, 0, counted))
+    hysteresis_tracker.copy_(
+        torch.where(overflow, spent_hysteresis, torch.where(grows, hysteresis, old_hysteresis))
+    )
+
+
+# Fake (meta) kernels: validate like the real ones, then describe the outputs.
+def _fake_l2norm(tensors: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
+    _validate.validate_l2norm(tensors)
+    first = tensors[0]
+    total = first.new_empty((), dtype=torch.float32)
+    norms = first.new_empty((len(tensors) if per_tensor else 0,), dtype=torch.float32)
+    return total, norms
+
+
+def _fake_returning_none(validate):
+    def fake(*args, **kwargs) -> None:
+        validate(*args, **kwargs)
+
+    return fake
+
+
+def _fake_fused_adam(
+    params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
+    weight_decay, adamw_mode, bias_correction, inv_scale=None, found_inf=None,
+) -> None:
+    _validate.validate_fused_adam(
+        params, grads, exp_avgs, exp_avg_sqs, model_params, step,
+        lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf,
+    )
+
+
+def _fake_axpby(x, y, a, b, found_inf) -> None:
+    _validate.validate_axpby(x, y, a, found_inf)
+
+
+# Shared with apex_amp/ops.py, which registers them for the compiled ops too.
+FAKE_KERNELS = {
+    "check_finite": _fake_returning_none(_validate.validate_check_finite),
+    "unscale_": _fake_returning_none(_validate.validate_unscale),
+    "scale_": _fake_returning_none(_validate.validate_scale),
+    "axpby_": _fake_axpby,
+    "l2norm": _fake_l2norm,
+    "fused_adam_": _fake_fused_adam,
+    "update_scale_": _fake_returning_none(_validate.validate_update_scale),
+}
+
+for _name, _fake in FAKE_KERNELS.items():
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake)

@@ -1,0 +1,55 @@
+"""Shared pytest set-up: markers, and the backend and device fixtures.
+
+Op tests take ``amp_ops`` (the torch.ops namespace of each backend in turn,
+see tests/_backends.py) and ``device`` ("cpu", and "cuda" marked ``cuda``).
+Tests marked ``cuda`` are skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# The tests import their helpers (_backends, _reference) by plain name, also
+# under pytest's --import-mode=importlib, which does not add this folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _backends import BACKENDS, namespace_of  # noqa: E402
+from apex_amp import ops  # noqa: E402
+
+DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.cuda))
+
+
+def pytest_configure(config):
+    # Also declared in pyproject.toml; repeated so the suite runs without it.
+    config.addinivalue_line("markers", "slow: takes more than a few seconds (deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip_cuda)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    namespace_of(request.param)
+    return request.param
+
+
+@pytest.fixture
+def amp_ops(backend):
+    """The torch.ops namespace under test (parametrised over both backends)."""
+    return ops.backend_namespace(backend)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param

@@ -1,0 +1,104 @@
+"""torch.library.opcheck on every op of both backends, and the fake (meta) kernels.
+
+opcheck checks that each op's schema declares exactly what it mutates, that
+its fake kernel agrees with the real one, and that it survives
+functionalization and torch.compile's dynamic-shape tracing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _reference as ref
+
+
+def _mixed(seed, sizes=(5, 3, 2)):
+    return ref.random_tensors(sizes, ref.FLOAT_DTYPES, seed=seed)
+
+
+def _adam_sample(model_copy: bool, found_inf: float, inv_scale: bool):
+    params = ref.random_tensors((5, 3), [torch.float32], seed=70)
+    grads = _mixed(71, (5, 3))
+    moments = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    model_params = [p.to(torch.bfloat16) for p in params] if model_copy else []
+    hyper = [1e-3, 0.9, 0.999, 1e-8, 0.01, True, True]
+    args = [params, grads, *moments, model_params, torch.zeros(1), *hyper]
+    kwargs = {"inv_scale": ref.flag(0.5) if inv_scale else None, "found_inf": ref.flag(found_inf)}
+    return args, kwargs
+
+
+def _samples():
+    """(op name, id, args, kwargs): small representative inputs for every op."""
+    scale_state = (torch.full((1,), 1024.0), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    yield "check_finite", "mixed", [_mixed(60), ref.flag(0.0)], {}
+    yield "check_finite", "nonfinite", [[torch.tensor([1.0, float("nan")])], ref.flag(0.0)], {}
+    yield "unscale_", "mixed", [_mixed(61), ref.flag(0.0), ref.flag(0.125)], {}
+    fp16_dst = [torch.empty(n, dtype=torch.float16) for n in (5, 3, 2)]
+    yield "scale_", "to-fp16", [_mixed(62), fp16_dst, ref.flag(2.0), ref.flag(0.0)], {}
+    yield "axpby_", "mixed", [_mixed(63), _mixed(64), ref.flag(0.5), 2.0, ref.flag(0.0)], {}
+    yield "l2norm", "per-tensor", [_mixed(65), True], {}
+    yield "l2norm", "total-only", [_mixed(66), False], {}
+    for model_copy, found_inf, inv_scale, name in (
+        (True, 0.0, True, "master-weights"),
+        (False, 0.0, False, "plain"),
+        (True, 1.0, True, "skipped"),
+    ):
+        yield "fused_adam_", name, *_adam_sample(model_copy, found_inf, inv_scale)
+    for found_inf in (0.0, 1.0):
+        args = [t.clone() for t in scale_state] + [ref.flag(found_inf), 2.0, 0.5, 1, 1, 1.0, 2.0**24]
+        yield "update_scale_", f"found_inf={found_inf:g}", args, {}
+
+
+SAMPLES = list(_samples())
+
+
+@pytest.mark.parametrize(
+    ("op_name", "args", "kwargs"), [s[::2] + s[3:] for s in SAMPLES], ids=[f"{s[0]}-{s[1]}" for s in SAMPLES]
+)
+def test_opcheck(amp_ops, op_name, args, kwargs):
+    torch.library.opcheck(getattr(amp_ops, op_name).default, args, kwargs)
+
+
+def test_fake_l2norm_describes_the_outputs_on_meta(amp_ops):
+    tensors = [torch.empty(7, device="meta"), torch.empty(3, 2, dtype=torch.bfloat16, device="meta")]
+    total, per_tensor = amp_ops.l2norm(tensors, True)
+    assert (total.shape, total.dtype, total.device.type) == ((), torch.float32, "meta")
+    assert (per_tensor.shape, per_tensor.dtype) == ((2,), torch.float32)
+    _, no_per_tensor = amp_ops.l2norm(tensors, False)
+    assert no_per_tensor.shape == (0,)
+
+
+def test_in_place_ops_accept_meta_tensors(amp_ops):
+    meta = {"device": "meta"}
+    found_inf = torch.zeros(1, **meta)
+    grads = [torch.empty(9, **meta), torch.empty(4, dtype=torch.float16, **meta)]
+    amp_ops.unscale_(grads, found_inf, torch.ones(1, **meta))
+    step = torch.zeros(1, **meta)
+    params = [torch.empty_like(g, dtype=torch.float32) for g in grads]
+    moments = [p.clone() for p in params], [p.clone() for p in params]
+    amp_ops.fused_adam_(params, grads, *moments, [], step, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+
+
+def test_ops_compile_into_one_graph_with_no_graph_breaks(amp_ops):
+    def unscale_and_step(params, grads, exp_avgs, exp_avg_sqs, step, found_inf, inv_scale):
+        amp_ops.unscale_(grads, found_inf, inv_scale)
+        hyper = (1e-2, 0.9, 0.999, 1e-8, 0.0, True, True)
+        amp_ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], step, *hyper, None, found_inf)
+        return amp_ops.l2norm(params, False)[0]
+
+    def fresh_state():
+        params = ref.random_tensors((5, 3), [torch.float32], seed=80)
+        grads = ref.random_tensors((5, 3), [torch.float32], seed=81)
+        moments = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+        return (params, grads, *moments, torch.zeros(1), ref.flag(0.0), ref.flag(0.5))
+
+    eager_state, compiled_state = fresh_state(), fresh_state()
+    eager_norm = unscale_and_step(*eager_state)
+    compiled = torch.compile(unscale_and_step, backend="aot_eager", fullgraph=True)
+    compiled_norm = compiled(*compiled_state)
+    torch.testing.assert_close(compiled_norm, eager_norm, rtol=0, atol=0)
+    for eager_list, compiled_list in zip(eager_state[:4], compiled_state[:4]):
+        for e, c in zip(eager_list, compiled_list):
+            assert torch.equal(e, c)
+    assert compiled_state[4].item() == 1.0

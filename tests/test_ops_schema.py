@@ -1,0 +1,75 @@
+"""The two backends expose the same ops: schemas, wrappers and the backend switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _reference as ref
+from apex_amp import _fallback, ops
+from apex_amp._extension import STATUS
+
+
+def _signature(op_name: str, namespace) -> tuple:
+    """Everything a caller sees of a schema: names, types, defaults, keyword-only
+    flags and which arguments are written (alias-set letters ignored)."""
+    schema = getattr(namespace, op_name).default._schema
+    arguments = tuple(
+        (
+            arg.name,
+            str(arg.type),
+            repr(arg.default_value) if arg.has_default_value() else None,
+            arg.kwarg_only,
+            bool(arg.alias_info and arg.alias_info.is_write),
+        )
+        for arg in schema.arguments
+    )
+    return arguments, tuple(str(r.type) for r in schema.returns)
+
+
+@pytest.mark.parametrize("op_name", ops.OP_NAMES)
+def test_fallback_schema_matches_the_extension(op_name):
+    if not STATUS.loaded:
+        pytest.skip(f"compiled extension not in use: {STATUS.reason}")
+    assert _signature(op_name, torch.ops.apex_amp_fallback) == _signature(op_name, torch.ops.apex_amp)
+
+
+def test_every_op_has_a_fallback_and_a_fake_kernel():
+    assert set(_fallback.SCHEMAS) == set(ops.OP_NAMES) == set(_fallback.FAKE_KERNELS)
+    for op_name in ops.OP_NAMES:
+        assert hasattr(torch.ops.apex_amp_fallback, op_name)
+
+
+def test_backend_namespace_rejects_unknown_names():
+    with pytest.raises(ValueError, match="backend must be 'extension' or 'fallback'"):
+        ops.backend_namespace("cuda")
+
+
+def test_backend_namespace_explains_a_missing_extension():
+    if STATUS.loaded:
+        pytest.skip("the extension is loaded")
+    with pytest.raises(RuntimeError, match="compiled extension is not available"):
+        ops.backend_namespace("extension")
+
+
+def test_public_wrappers_run_on_the_backend_in_use():
+    grads = [torch.full((5,), 4.0), torch.full((3,), 4.0, dtype=torch.bfloat16)]
+    found_inf = ref.flag(0.0)
+    ops.unscale_(grads, found_inf, ref.flag(0.25))
+    ops.check_finite(grads, found_inf)
+    assert found_inf.item() == 0.0 and all(torch.equal(g, torch.ones_like(g)) for g in grads)
+    master = [torch.zeros(5)]
+    model = [torch.empty(5, dtype=torch.float16)]
+    ops.scale_(master, model, ref.flag(1.0), found_inf)
+    ops.axpby_(grads[:1], master, ref.flag(2.0), 0.5, found_inf)
+    assert torch.equal(master[0], torch.full((5,), 2.0))
+    total, per_tensor = ops.l2norm(master, per_tensor=True)
+    assert total.item() == pytest.approx(20.0**0.5) and per_tensor.shape == (1,)
+    step = torch.zeros(1)
+    moments = [torch.zeros(5)], [torch.zeros(5)]
+    ops.fused_adam_(master, grads[:1], *moments, step, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, model_params=model)
+    assert step.item() == 1.0 and torch.equal(model[0], master[0].half())
+    scale = torch.full((1,), 1024.0)
+    trackers = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    ops.update_scale_(scale, *trackers, ref.flag(1.0))
+    assert scale.item() == 512.0

@@ -1,0 +1,233 @@
+"""Bad arguments raise RuntimeError with a message naming the op, the argument and the fix.
+
+Both backends must say the same words (csrc/validate.h and apex_amp/_validate.py),
+so every case checks the message text. Device mismatches use the 'meta'
+device as the "other" device: a meta tensor in the arguments routes the call
+to the fake kernel, which validates like the real ones.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import _reference as ref
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def _t(*shape, dtype=F32, device="cpu"):
+    return torch.ones(*shape, dtype=dtype, device=device)
+
+
+def _found_inf(**kwargs):
+    return torch.zeros(1, **kwargs)
+
+
+def _overlapping(name_a, name_b):
+    """Lists `name_a` and `name_b` of one tensor each: two contiguous views of
+    one buffer that share elements 4 and 5."""
+    buffer = torch.zeros(10)
+    return {name_a: [buffer[:6]], name_b: [buffer[4:]]}
+
+
+def _same_tensors(name_a, name_b):
+    shared = [_t(4), _t(3)]
+    return {name_a: shared, name_b: shared}
+
+
+def _adam(amp_ops, params=None, grads=None, exp_avgs=None, exp_avg_sqs=None, model_params=(), step=None, **kwargs):
+    params = [_t(4), _t(3)] if params is None else params
+    grads = [torch.ones_like(p) for p in params] if grads is None else grads
+    exp_avgs = [torch.zeros_like(p) for p in params] if exp_avgs is None else exp_avgs
+    exp_avg_sqs = [torch.zeros_like(p) for p in params] if exp_avg_sqs is None else exp_avg_sqs
+    step = torch.zeros(1) if step is None else step
+    hyper = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
+    hyper.update({k: kwargs.pop(k) for k in list(kwargs) if k in hyper})
+    tensors = (params, grads, exp_avgs, exp_avg_sqs, list(model_params), step)
+    flags = (True, True)  # adamw_mode, bias_correction
+    amp_ops.fused_adam_(*tensors, *hyper.values(), *flags, kwargs.get("inv_scale"), kwargs.get("found_inf"))
+
+
+def _update_scale(amp_ops, scale=None, growth_tracker=None, hysteresis_tracker=None, found_inf=None, **rule):
+    args = {
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "hysteresis": 1,
+        "min_scale": 1.0,
+        "max_scale": 2.0**24,
+    }
+    args.update(rule)
+    amp_ops.update_scale_(
+        torch.ones(1) if scale is None else scale,
+        torch.zeros(1, dtype=torch.int32) if growth_tracker is None else growth_tracker,
+        torch.ones(1, dtype=torch.int32) if hysteresis_tracker is None else hysteresis_tracker,
+        torch.zeros(1) if found_inf is None else found_inf,
+        *args.values(),
+    )
+
+
+# (id, call(amp_ops), the message after "apex_amp.")
+CASES = [
+    # check_finite
+    ("check_finite-float64", lambda o: o.check_finite([_t(3), _t(3, dtype=torch.float64)], _found_inf()),
+     "check_finite: tensors[1] has dtype Double; expected one of Float, Half, BFloat16"),
+    ("check_finite-int", lambda o: o.check_finite([_t(3, dtype=torch.int32)], _found_inf()),
+     "check_finite: tensors[0] has dtype Int; expected one of Float, Half, BFloat16"),
+    ("check_finite-non-contiguous", lambda o: o.check_finite([_t(3), _t(4, 4).t()], _found_inf()),
+     "check_finite: tensors[1] must be contiguous; call .contiguous() on it"),
+    ("check_finite-expanded", lambda o: o.check_finite([_t(1).expand(5)], _found_inf()),
+     "check_finite: tensors[0] must be contiguous"),
+    ("check_finite-found_inf-dtype", lambda o: o.check_finite([_t(3)], _found_inf(dtype=torch.float64)),
+     "check_finite: found_inf must be Float, got Double"),
+    ("check_finite-found_inf-numel", lambda o: o.check_finite([_t(3)], torch.zeros(2)),
+     "check_finite: found_inf must hold exactly one element, got 2"),
+    ("check_finite-device", lambda o: o.check_finite([_t(3), _t(3, device="meta")], _found_inf()),
+     "check_finite: tensors[1] is on meta but the op runs on cpu; move every tensor to one device"),
+    ("check_finite-found_inf-device", lambda o: o.check_finite([_t(3)], _found_inf(device="meta")),
+     "check_finite: tensors[0] is on cpu but the op runs on meta"),
+    # unscale_
+    ("unscale-float64", lambda o: o.unscale_([_t(3), _t(2), _t(2, dtype=torch.float64)], _found_inf(), _t(1)),
+     "unscale_: grads[2] has dtype Double"),
+    ("unscale-inv_scale-numel", lambda o: o.unscale_([_t(3)], _found_inf(), torch.ones(0)),
+     "unscale_: inv_scale must hold exactly one element, got 0"),
+    ("unscale-inv_scale-dtype", lambda o: o.unscale_([_t(3)], _found_inf(), _t(1, dtype=F16)),
+     "unscale_: inv_scale must be Float, got Half"),
+    ("unscale-inv_scale-device", lambda o: o.unscale_([_t(3)], _found_inf(), _t(1, device="meta")),
+     "unscale_: inv_scale is on meta but the op runs on cpu; keep it on the same device as the tensors"),
+    ("unscale-grads-device", lambda o: o.unscale_([_t(3), _t(3, device="meta")], _found_inf(), _t(1)),
+     "unscale_: grads[1] is on meta but the op runs on cpu"),
+    ("unscale-non-contiguous", lambda o: o.unscale_([_t(2, 3)[:, :2]], _found_inf(), _t(1)),
+     "unscale_: grads[0] must be contiguous"),
+    # scale_
+    ("scale-length", lambda o: o.scale_([_t(3), _t(3)], [_t(3)], _t(1), _found_inf()),
+     "scale_: src and dst must be lists of the same length, got 2 and 1"),
+    ("scale-numel", lambda o: o.scale_([_t(3), _t(3)], [_t(3), _t(4)], _t(1), _found_inf()),
+     "scale_: src[1] has 3 elements but dst[1] has 4; corresponding tensors must have the same size"),
+    ("scale-overlap", lambda o: o.scale_(*_overlapping("src", "dst").values(), _t(1), _found_inf()),
+     "scale_: src[0] and dst[0] partially overlap in memory; pass the same tensor or separate ones"),
+    ("scale-dst-dtype", lambda o: o.scale_([_t(3)], [_t(3, dtype=torch.int64)], _t(1), _found_inf()),
+     "scale_: dst[0] has dtype Long; expected one of Float, Half, BFloat16"),
+    ("scale-dst-non-contiguous", lambda o: o.scale_([_t(6)], [_t(2, 3).t()], _t(1), _found_inf()),
+     "scale_: dst[0] must be contiguous"),
+    ("scale-scale-dtype", lambda o: o.scale_([_t(3)], [_t(3)], _t(1, dtype=BF16), _found_inf()),
+     "scale_: scale must be Float, got BFloat16"),
+    # axpby_
+    ("axpby-length", lambda o: o.axpby_([_t(3)], [_t(3), _t(3)], _t(1), 1.0, _found_inf()),
+     "axpby_: x and y must be lists of the same length, got 1 and 2"),
+    ("axpby-numel", lambda o: o.axpby_([_t(5)], [_t(3)], _t(1), 1.0, _found_inf()),
+     "axpby_: x[0] has 5 elements but y[0] has 3"),
+    ("axpby-y-int", lambda o: o.axpby_([_t(3)], [_t(3, dtype=torch.int32)], _t(1), 1.0, _found_inf()),
+     "axpby_: y[0] has dtype Int"),
+    ("axpby-a-numel", lambda o: o.axpby_([_t(3)], [_t(3)], _t(2), 1.0, _found_inf()),
+     "axpby_: a must hold exactly one element, got 2"),
+    ("axpby-found_inf-int", lambda o: o.axpby_([_t(3)], [_t(3)], _t(1), 1.0, _found_inf(dtype=torch.int32)),
+     "axpby_: found_inf must be Float, got Int"),
+    # l2norm
+    ("l2norm-float64", lambda o: o.l2norm([_t(3), _t(3, dtype=torch.float64)], True),
+     "l2norm: tensors[1] has dtype Double"),
+    ("l2norm-device", lambda o: o.l2norm([_t(3), _t(3, device="meta")], False),
+     "l2norm: tensors[1] is on meta but the op runs on cpu"),
+    ("l2norm-non-contiguous", lambda o: o.l2norm([_t(3, 3).t()], False),
+     "l2norm: tensors[0] must be contiguous"),
+    # fused_adam_
+    ("adam-grads-length", lambda o: _adam(o, grads=[_t(4)]),
+     "fused_adam_: params and grads must be lists of the same length, got 2 and 1"),
+    ("adam-exp_avgs-length", lambda o: _adam(o, exp_avgs=[_t(4)]),
+     "fused_adam_: params and exp_avgs must be lists of the same length, got 2 and 1"),
+    ("adam-model_params-length", lambda o: _adam(o, model_params=[_t(4, dtype=F16)]),
+     "fused_adam_: params and model_params must be lists of the same length, got 2 and 1"),
+    ("adam-grads-float64", lambda o: _adam(o, grads=[_t(4), _t(3, dtype=torch.float64)]),
+     "fused_adam_: grads[1] has dtype Double"),
+    ("adam-grads-numel", lambda o: _adam(o, grads=[_t(4), _t(5)]),
+     "fused_adam_: params[1] has 3 elements but grads[1] has 5"),
+    ("adam-moment-dtype", lambda o: _adam(o, exp_avgs=[_t(4, dtype=F16), _t(3)]),
+     "fused_adam_: exp_avgs[0] has dtype Half; expected Float, the dtype of params[0]"),
+    ("adam-moment-sq-dtype", lambda o: _adam(o, exp_avg_sqs=[_t(4), _t(3, dtype=BF16)]),
+     "fused_adam_: exp_avg_sqs[1] has dtype BFloat16; expected Float, the dtype of params[1]"),
+    ("adam-low-precision-grad-dtype", lambda o: _adam(o, params=[_t(4, dtype=BF16)], grads=[_t(4, dtype=F16)]),
+     "fused_adam_: grads[0] has dtype Half but params[0] is BFloat16; fp16/bf16 params need grads of the same dtype"),
+    ("adam-low-precision-model-copy",
+     lambda o: _adam(o, params=[_t(4, dtype=F16)], model_params=[_t(4, dtype=F16)]),
+     "fused_adam_: model_params[0] was given but params[0] is Half; a model copy is written only from fp32 master "
+     "params"),
+    ("adam-model_params-int", lambda o: _adam(o, model_params=[_t(4, dtype=F16), _t(3, dtype=torch.int16)]),
+     "fused_adam_: model_params[1] has dtype Short"),
+    ("adam-grads-non-contiguous", lambda o: _adam(o, params=[_t(6)], grads=[_t(2, 3).t()]),
+     "fused_adam_: grads[0] must be contiguous"),
+    ("adam-grads-device", lambda o: _adam(o, grads=[_t(4), _t(3, device="meta")]),
+     "fused_adam_: grads[1] is on meta but the op runs on cpu"),
+    ("adam-step-dtype", lambda o: _adam(o, step=torch.zeros(1, dtype=torch.int64)),
+     "fused_adam_: step must be Float, got Long"),
+    ("adam-step-numel", lambda o: _adam(o, step=torch.zeros(2)),
+     "fused_adam_: step must hold exactly one element, got 2"),
+    ("adam-found_inf-dtype", lambda o: _adam(o, found_inf=torch.zeros(1, dtype=torch.bool)),
+     "fused_adam_: found_inf must be Float, got Bool"),
+    ("adam-inv_scale-numel", lambda o: _adam(o, inv_scale=torch.ones(3)),
+     "fused_adam_: inv_scale must hold exactly one element, got 3"),
+    ("adam-lr", lambda o: _adam(o, lr=-1.0), "fused_adam_: lr must be >= 0, got -1"),
+    ("adam-lr-nan", lambda o: _adam(o, lr=float("nan")), "fused_adam_: lr must be >= 0, got nan"),
+    ("adam-eps", lambda o: _adam(o, eps=-1e-8), "fused_adam_: eps must be >= 0, got -1e-08"),
+    ("adam-beta1", lambda o: _adam(o, beta1=1.0), "fused_adam_: beta1 must be in [0, 1), got 1"),
+    ("adam-beta2", lambda o: _adam(o, beta2=-0.5), "fused_adam_: beta2 must be in [0, 1), got -0.5"),
+    ("adam-weight_decay", lambda o: _adam(o, weight_decay=-0.1),
+     "fused_adam_: weight_decay must be >= 0, got -0.1"),
+    ("adam-moment-overlaps-param", lambda o: _adam(o, **_overlapping("params", "exp_avgs")),
+     "fused_adam_: params[0] and exp_avgs[0] share memory; each parameter needs its own moment buffers"),
+    ("adam-moments-are-one-tensor", lambda o: _adam(o, **_same_tensors("exp_avgs", "exp_avg_sqs")),
+     "fused_adam_: exp_avgs[0] and exp_avg_sqs[0] share memory"),
+    ("adam-model-copy-overlap", lambda o: _adam(o, **_overlapping("params", "model_params")),
+     "fused_adam_: params[0] and model_params[0] partially overlap in memory"),
+    # update_scale_
+    ("update_scale-scale-dtype", lambda o: _update_scale(o, scale=torch.ones(1, dtype=torch.float64)),
+     "update_scale_: scale must be Float, got Double"),
+    ("update_scale-growth_tracker-dtype", lambda o: _update_scale(o, growth_tracker=torch.zeros(1)),
+     "update_scale_: growth_tracker must be Int, got Float"),
+    ("update_scale-hysteresis_tracker-dtype",
+     lambda o: _update_scale(o, hysteresis_tracker=torch.ones(1, dtype=torch.int64)),
+     "update_scale_: hysteresis_tracker must be Int, got Long"),
+    ("update_scale-found_inf-numel", lambda o: _update_scale(o, found_inf=torch.zeros(2)),
+     "update_scale_: found_inf must hold exactly one element, got 2"),
+    ("update_scale-found_inf-device", lambda o: _update_scale(o, found_inf=torch.zeros(1, device="meta")),
+     "update_scale_: found_inf is on meta but the op runs on cpu"),
+    ("update_scale-growth_interval", lambda o: _update_scale(o, growth_interval=0),
+     "update_scale_: growth_interval must be an integer in [1, 2^31 - 1], got 0"),
+    ("update_scale-hysteresis", lambda o: _update_scale(o, hysteresis=0),
+     "update_scale_: hysteresis must be an integer in [1, 2^31 - 1], got 0"),
+    ("update_scale-growth_factor", lambda o: _update_scale(o, growth_factor=0.5),
+     "update_scale_: growth_factor must be >= 1, got 0.5"),
+    ("update_scale-backoff_factor", lambda o: _update_scale(o, backoff_factor=1.0),
+     "update_scale_: backoff_factor must be in (0, 1), got 1"),
+    ("update_scale-min_scale", lambda o: _update_scale(o, min_scale=0.0),
+     "update_scale_: need 0 < min_scale <= max_scale, got min_scale=0 and max_scale=1.67772e+07"),
+    ("update_scale-min-above-max", lambda o: _update_scale(o, min_scale=4.0, max_scale=2.0),
+     "update_scale_: need 0 < min_scale <= max_scale, got min_scale=4 and max_scale=2"),
+]
+
+
+@pytest.mark.parametrize(("call", "message"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_argument_raises_runtime_error_naming_it(amp_ops, call, message):
+    with pytest.raises(RuntimeError, match=re.escape(f"apex_amp.{message}")):
+        call(amp_ops)
+
+
+def test_l2norm_of_an_empty_list_raises(amp_ops):
+    with pytest.raises(RuntimeError, match="tensors is empty|no tensor arguments"):
+        amp_ops.l2norm([], True)
+
+
+def test_a_rejected_call_changes_nothing(amp_ops):
+    # The last tensor is bad: validation must run before any element is written.
+    params = [_t(33), _t(3)]
+    grads = [_t(33), _t(3, dtype=torch.float64)]
+    found_inf = _found_inf()
+    with pytest.raises(RuntimeError, match=re.escape("grads[1]")):
+        amp_ops.unscale_(grads, found_inf, ref.flag(0.5))
+    assert torch.equal(grads[0], _t(33))
+    step = torch.zeros(1)
+    with pytest.raises(RuntimeError, match=re.escape("grads[1]")):
+        _adam(amp_ops, params=params, grads=grads, step=step)
+    assert torch.equal(params[0], _t(33)) and step.item() == 0.0
