@@ -1,0 +1,170 @@
+"""O1 state and the casts each rule applies, shared by the dispatcher kernels and the Python wrappers.
+
+The O1 state is a single object because what it controls is process-wide by nature: the
+kernels registered with torch's dispatcher and the wrapped module attributes are seen by
+every thread. Whether casting happens on a given thread is torch's thread-local autocast
+switch (``torch.set_autocast_enabled``), which is what :func:`disable_casts` flips.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+
+from .cache import WeightCastCache
+from .rules import DEVICES, Rule
+
+__all__ = ["disable_casts"]
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class O1State:
+    def __init__(self) -> None:
+        self.active = False
+        self.half_dtype = torch.float16
+        self.allow_banned = False
+        self.cache = WeightCastCache()
+        self.lock = threading.RLock()
+        # the calling thread's autocast settings before activate(), restored by deactivate()
+        self.saved_autocast: dict | None = None
+
+
+STATE = O1State()
+
+# -1 outside a backward pass. Autograd runs backward with the autocast state of the caller,
+# so rule kernels see backward calls too; those keep the dtypes autograd chose.
+_graph_task_id = torch._C._current_graph_task_id
+_any_autocast_enabled = torch._C._is_any_autocast_enabled
+
+
+def in_backward() -> bool:
+    return _graph_task_id() != -1
+
+
+def casting_enabled() -> bool:
+    """True when O1 is active, this thread's autocast is on and we are not in backward."""
+    return STATE.active and _any_autocast_enabled() and _graph_task_id() == -1
+
+
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """Context manager: no O1 casting on this thread inside the block (nestable).
+
+    Ops run in the precision of their inputs, as without amp; the frontend runs
+    ``optimizer.step()`` this way so weights update in fp32.
+
+    Example::
+
+        >>> from apex_amp.amp.casting import disable_casts
+        >>> with disable_casts():
+        ...     y = torch.softmax(torch.randn(2, 3), dim=-1)  # no casts here
+    """
+    previous = [(device, torch.is_autocast_enabled(device)) for device in DEVICES]
+    for device in DEVICES:
+        torch.set_autocast_enabled(device, False)
+    try:
+        yield
+    finally:
+        for device, enabled in previous:
+            torch.set_autocast_enabled(device, enabled)
+
+
+# -- casts per rule --------------------------------------------------------------------
+# Arguments arrive as the dispatcher (or a Python caller) passes them: tensors, lists of
+# tensors (cat, RNN weights, index_put indices, possibly with None), and everything else,
+# which is returned untouched. Only floating tensors are cast; float64 is left alone, as
+# torch's autocast does.
+
+def _has_tensor(values) -> bool:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return True
+    return False
+
+
+_CASTABLE_TO_HALF = {torch.float16: frozenset({torch.float32, torch.bfloat16}),
+                     torch.bfloat16: frozenset({torch.float32, torch.float16})}
+
+
+def to_half(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dtype in _CASTABLE_TO_HALF[dtype]:
+            return STATE.cache.cast(value, dtype)
+        return value
+    if isinstance(value, (list, tuple)) and _has_tensor(value):
+        return type(value)(to_half(item, dtype) for item in value)
+    return value
+
+
+def to_fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dtype in HALF_DTYPES:
+            return value.float()
+        return value
+    if isinstance(value, (list, tuple)) and _has_tensor(value):
+        return type(value)(to_fp32(item) for item in value)
+    return value
+
+
+def _floating_dtypes(values, found: set) -> set:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point():
+                found.add(value.dtype)
+        elif isinstance(value, (list, tuple)):
+            _floating_dtypes(value, found)
+    return found
+
+
+def _to_dtype(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.dtype is not dtype:
+            return value.to(dtype)
+        return value
+    if isinstance(value, (list, tuple)) and _has_tensor(value):
+        return type(value)(_to_dtype(item, dtype) for item in value)
+    return value
+
+
+def widest_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The widest floating dtype among the tensors, or None when they already agree."""
+    found = _floating_dtypes(kwargs.values(), _floating_dtypes(args, set()))
+    if len(found) < 2:
+        return None
+    widest = found.pop()
+    for dtype in found:
+        widest = torch.promote_types(widest, dtype)
+    return widest
+
+
+def cast_call(rule: Rule, args: tuple, kwargs: dict, half_dtype: torch.dtype) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` cast as ``rule`` says (BANNED casts like FP32: callers check first)."""
+    if rule is Rule.HALF:
+        return (tuple(to_half(a, half_dtype) for a in args),
+                {k: to_half(v, half_dtype) for k, v in kwargs.items()})
+    if rule is Rule.PROMOTE:
+        widest = widest_dtype(args, kwargs)
+        if widest is None:
+            return args, kwargs
+        return (tuple(_to_dtype(a, widest) for a in args),
+                {k: _to_dtype(v, widest) for k, v in kwargs.items()})
+    return tuple(to_fp32(a) for a in args), {k: to_fp32(v) for k, v in kwargs.items()}
+
+
+def banned_message(op_name: str) -> str:
+    return (f"{op_name} is banned under apex_amp O1: binary cross entropy on probabilities is "
+            "numerically unsafe once the sigmoid before it ran in half precision. Use "
+            "torch.nn.BCEWithLogitsLoss (or F.binary_cross_entropy_with_logits) on the logits "
+            "instead; it fuses the sigmoid and runs in fp32 under O1. If you really need it, "
+            "allow it with allow_banned=True (it then runs in fp32), or register it with "
+            "amp.register_float_function(torch.nn.functional, 'binary_cross_entropy').")
+
+
+def inplace_message(op_name: str, dtype: torch.dtype) -> str:
+    return (f"{op_name} got a {dtype} tensor under apex_amp O1, whose rules run this op in "
+            "float32; an in-place op cannot change its tensor's dtype, so it would silently run "
+            f"in {dtype}. Use the out-of-place form (e.g. torch.exp(x) instead of x.exp_()), "
+            "cast first (x = x.float()), or run it under amp.disable_casts().")
