@@ -1,0 +1,46 @@
+"""apex_amp.amp: apex.amp's API (initialize, scale_loss, state_dict, master_params, ...).
+
+An apex.amp script migrates by changing its import to ``from apex_amp import amp``.
+
+Example::
+
+    >>> from apex_amp import amp
+    >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16)
+    >>> for x, y in loader:
+    ...     optimizer.zero_grad()
+    ...     loss = criterion(model(x), y)
+    ...     with amp.scale_loss(loss, optimizer) as scaled_loss:
+    ...         scaled_loss.backward()
+    ...     optimizer.step()
+"""
+
+from .casting import (
+    disable_casts,
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
+from .frontend import initialize, load_state_dict, loss_scale, master_params, state_dict, step_was_skipped
+from .handle import scale_loss
+from .opt_levels import OPT_LEVELS
+
+__all__ = [
+    "initialize",
+    "scale_loss",
+    "state_dict",
+    "load_state_dict",
+    "master_params",
+    "step_was_skipped",
+    "loss_scale",
+    "disable_casts",
+    "register_half_function",
+    "register_float_function",
+    "register_promote_function",
+    "half_function",
+    "float_function",
+    "promote_function",
+    "OPT_LEVELS",
+]

@@ -1,0 +1,309 @@
+"""``amp.initialize`` and the functions that read or restore amp state."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+from torch import nn
+
+from . import casting
+from .handle import as_optimizer_list, find_session
+from .master_weights import attach_masters
+from .model_casting import add_cast_hooks, add_master_state_dict_hooks, cast_model_
+from .opt_levels import HALF_DTYPES, resolve_properties
+from .optimizer_state import GradState
+from .state import AmpSession, latest_session, register_session, session_for
+
+__all__ = ["initialize", "state_dict", "load_state_dict", "master_params", "step_was_skipped", "loss_scale"]
+
+logger = logging.getLogger("apex_amp")
+
+_WRAPPERS = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+
+
+def _as_model_list(models: Any) -> list[nn.Module]:
+    listed = list(models) if isinstance(models, (list, tuple)) else [models]
+    for index, model in enumerate(listed):
+        where = f"models[{index}]" if isinstance(models, (list, tuple)) else "models"
+        if isinstance(model, _WRAPPERS):
+            raise ValueError(
+                f"{where} is already wrapped in {type(model).__name__}; call amp.initialize on the bare model "
+                "first and wrap the model it returns afterwards"
+            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{where} must be a torch.nn.Module, got {type(model).__name__}")
+    if not listed:
+        raise ValueError("amp.initialize needs at least one model")
+    return listed
+
+
+def _check_fp32_params(models: list[nn.Module]) -> None:
+    for index, model in enumerate(models):
+        for name, param in model.named_parameters():
+            if param.dtype in HALF_DTYPES:
+                raise ValueError(
+                    f"parameter {name!r} of model {index} is already {param.dtype}; amp.initialize expects an "
+                    "fp32 model and casts it itself. Remove the .half()/.to(dtype) call before amp.initialize"
+                )
+
+
+def _device_of(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> torch.device:
+    for model in models:
+        for param in model.parameters():
+            return param.device
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                return param.device
+    return torch.device("cpu")
+
+
+def initialize(
+    models: Any,
+    optimizers: Any = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: Optional[torch.dtype] = None,
+    patch_torch_functions: Optional[bool] = None,
+    keep_batchnorm_fp32: Optional[bool] = None,
+    master_weights: Optional[bool] = None,
+    loss_scale: Any = None,
+    cast_model_outputs: Optional[torch.dtype] = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: Optional[float] = None,
+    max_loss_scale: float = 2.0**24,
+    half_dtype: torch.dtype = torch.float16,
+    *,
+    skip_nonfinite: bool = False,
+    allow_banned: bool = False,
+    scale_window: int = 2000,
+    hysteresis: int = 1,
+) -> Any:
+    """Prepare models and optimizers for mixed precision; returns the same objects.
+
+    Args:
+        models: a ``torch.nn.Module`` or a list of them (not yet wrapped in DDP/DataParallel).
+        optimizers: a ``torch.optim.Optimizer``, a list of them, or None.
+        enabled: False returns everything untouched and makes ``scale_loss`` a pass-through.
+        opt_level: "O0" (fp32), "O1" (per-op casts), "O2" (half model, fp32 masters), "O3" (half everything).
+        cast_model_type: override of the dtype the model is cast to (O0/O2/O3).
+        patch_torch_functions: override of O1's per-op casting (only O1 may enable it).
+        keep_batchnorm_fp32: keep batchnorm layers fp32 in a half model (O2/O3).
+        master_weights: keep fp32 master weights for the optimizer (O2/O3).
+        loss_scale: "dynamic" or a number (strings of numbers too).
+        cast_model_outputs: dtype the model's floating outputs are cast to.
+        num_losses: number of losses, each with its own scaler (``loss_id`` in ``scale_loss``).
+        verbosity: 0 silences amp's log messages; >= 1 logs the chosen properties once.
+        min_loss_scale: floor of a dynamic scale (default 1.0).
+        max_loss_scale: cap of a dynamic scale.
+        half_dtype: torch.float16 or torch.bfloat16 for every level; with bf16 the
+            default scale is a static 1.0, with the gradient checks kept on.
+        skip_nonfinite: check gradients and skip non-finite steps at every level,
+            static ones included (O0/O3 do not check by default, as in apex).
+        allow_banned: let O1 run functions it bans in half precision (binary_cross_entropy).
+        scale_window: clean steps before a dynamic scale doubles (apex: 2000).
+        hysteresis: overflows tolerated before a dynamic scale backs off (1: at once).
+
+    Returns:
+        ``models`` (and ``optimizers`` when given) as passed in: same objects, same list shape.
+
+    .. note::
+        O1's per-op casting is process-wide; the latest ``initialize`` call
+        turns it on (O1) or off (other levels).
+
+    Example::
+
+        >>> model = torch.nn.Linear(10, 2)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16)
+        >>> with amp.scale_loss(model(x).sum(), optimizer) as scaled_loss:
+        ...     scaled_loss.backward()
+        >>> optimizer.step()
+    """
+    model_list = _as_model_list(models)
+    optimizer_list = [] if optimizers is None else as_optimizer_list(optimizers)
+    for optimizer in optimizer_list:
+        if session_for(optimizer) is not None:
+            raise RuntimeError(
+                f"this {type(optimizer).__name__} was already passed to amp.initialize; call amp.initialize "
+                "once per optimizer (create a fresh optimizer to start over)"
+            )
+    if len({id(optimizer) for optimizer in optimizer_list}) != len(optimizer_list):
+        raise ValueError("the same optimizer appears twice in optimizers; pass each optimizer once")
+    if isinstance(verbosity, bool) or not isinstance(verbosity, int):
+        raise TypeError(f"verbosity must be an int, got {type(verbosity).__name__}")
+
+    def result() -> Any:
+        return models if optimizers is None else (models, optimizers)
+
+    device = _device_of(model_list, optimizer_list)
+    if not enabled:
+        register_session(AmpSession(None, device, verbosity), optimizer_list)
+        return result()
+
+    properties = resolve_properties(
+        opt_level, half_dtype=half_dtype, cast_model_type=cast_model_type,
+        patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights, loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
+        num_losses=num_losses, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+        scale_window=scale_window, hysteresis=hysteresis, skip_nonfinite=skip_nonfinite,
+        allow_banned=allow_banned,
+    )
+    _check_fp32_params(model_list)
+    if verbosity >= 1:
+        logger.info("%s", properties.describe())
+
+    # Masters start from the user's exact fp32 weights, not from their half rounding.
+    fp32_values = {}
+    if properties.master_weights:
+        fp32_values = {
+            id(p): p.detach().clone()
+            for optimizer in optimizer_list for group in optimizer.param_groups for p in group["params"]
+            if p.dtype == torch.float32
+        }
+    session = AmpSession(properties, device, verbosity)
+    model_dtype = properties.cast_model_type
+    model_is_half = model_dtype in HALF_DTYPES
+    for model in model_list:
+        if model_dtype is not None:
+            cast_model_(model, model_dtype, bool(properties.keep_batchnorm_fp32))
+        output_dtype = properties.cast_model_outputs
+        if output_dtype is None and model_is_half:
+            output_dtype = torch.float32
+        add_cast_hooks(model, model_dtype, output_dtype)
+        if properties.master_weights:
+            add_master_state_dict_hooks(model, session.master_of)
+    for optimizer in optimizer_list:
+        links = attach_masters(optimizer, fp32_values=fp32_values) if properties.master_weights else []
+        session.add_optimizer(optimizer, links)
+    del fp32_values
+
+    if properties.patch_torch_functions:
+        casting.activate(properties.half_dtype, allow_banned=properties.allow_banned)
+    elif casting.is_active():
+        casting.deactivate()
+    register_session(session, optimizer_list)
+    return result()
+
+
+def _session_or_latest(caller: str) -> AmpSession:
+    session = latest_session()
+    if session is None:
+        raise RuntimeError(f"amp.{caller} was called before amp.initialize")
+    return session
+
+
+def state_dict(destination: Optional[dict] = None) -> dict[str, Any]:
+    """The state of every loss scaler (scale, counters, hysteresis) of the latest ``initialize``.
+
+    Save it with the model's and the optimizer's state dicts; together they
+    resume a run bit for bit. Under O2, ``model.state_dict()`` holds the fp32
+    master weights.
+
+    Args:
+        destination: optional dict to fill (apex compatibility); a new dict otherwise.
+
+    .. note:: Reads the scales from the device: a host sync on CUDA.
+
+    Example::
+
+        >>> checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        ...               "amp": amp.state_dict()}
+        >>> torch.save(checkpoint, "checkpoint.pt")
+    """
+    state = _session_or_latest("state_dict").state_dict()
+    if destination is None:
+        return state
+    destination.update(state)
+    return destination
+
+
+def load_state_dict(state_dict: Mapping[str, Any]) -> None:
+    """Restore the loss scalers saved by :func:`state_dict` (after ``initialize``, same settings).
+
+    Args:
+        state_dict: the dict returned by :func:`state_dict`.
+
+    Example::
+
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> checkpoint = torch.load("checkpoint.pt")
+        >>> model.load_state_dict(checkpoint["model"])
+        >>> optimizer.load_state_dict(checkpoint["optimizer"])
+        >>> amp.load_state_dict(checkpoint["amp"])
+    """
+    _session_or_latest("load_state_dict").load_state_dict(state_dict)
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
+    """The parameters ``optimizer`` really updates: the fp32 masters under O2, the model's otherwise.
+
+    After ``scale_loss`` exits their gradients are unscaled, so they are the
+    ones to clip.
+
+    Args:
+        optimizer: an optimizer returned by ``amp.initialize``.
+
+    Example::
+
+        >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...     scaled_loss.backward()
+        >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
+        >>> optimizer.step()
+    """
+    (optimizer,) = as_optimizer_list(optimizer, "optimizer")
+    session = session_for(optimizer)
+    if session is not None and session.enabled:
+        state = session.state_of(optimizer)
+        state.sync_param_groups(optimizer)
+        if state.grad_state is GradState.SCALED:
+            # Left scaled for a fused step; clipping needs the true values now.
+            state.unscale_pending()
+    return iter([p for group in optimizer.param_groups for p in group["params"]])
+
+
+def step_was_skipped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the last ``optimizer.step()`` was skipped because its gradients were not finite.
+
+    Use it, for instance, not to advance an LR scheduler on skipped steps.
+
+    Args:
+        optimizer: an optimizer returned by ``amp.initialize``.
+
+    .. note:: Reads the overflow flag from the device: a host sync on CUDA.
+
+    Example::
+
+        >>> optimizer.step()
+        >>> if not amp.step_was_skipped(optimizer):
+        ...     scheduler.step()
+    """
+    (optimizer,) = as_optimizer_list(optimizer, "optimizer")
+    session = find_session([optimizer], "step_was_skipped")
+    if not session.enabled:
+        return False
+    return session.state_of(optimizer).step_was_skipped()
+
+
+def loss_scale(loss_id: int = 0) -> float:
+    """The current loss scale of ``loss_id`` in the latest ``initialize``.
+
+    Args:
+        loss_id: which loss scaler.
+
+    .. note:: Reads the scale from the device: a host sync on CUDA.
+
+    Example::
+
+        >>> print(f"loss scale {amp.loss_scale():.0f}")
+    """
+    session = _session_or_latest("loss_scale")
+    if not session.enabled:
+        return 1.0
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(session.scalers):
+        raise ValueError(f"loss_id must be in [0, {len(session.scalers) - 1}], got {loss_id!r}")
+    session.flush_logs(block=True)
+    return session.scalers[loss_id].loss_scale()

@@ -1,0 +1,150 @@
+"""``amp.scale_loss``: scale the loss, then check and unscale the new gradients."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .state import AmpSession, latest_session, session_for
+
+__all__ = ["scale_loss"]
+
+
+def as_optimizer_list(optimizers: Any, what: str = "optimizers") -> list[torch.optim.Optimizer]:
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    if isinstance(optimizers, (list, tuple)):
+        for index, optimizer in enumerate(optimizers):
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    f"{what}[{index}] must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+                )
+        return list(optimizers)
+    raise TypeError(
+        f"{what} must be a torch.optim.Optimizer or a list of them, got {type(optimizers).__name__}"
+    )
+
+
+def find_session(optimizers: Sequence[torch.optim.Optimizer], caller: str) -> AmpSession:
+    if latest_session() is None:
+        raise RuntimeError(
+            f"amp.{caller} was called before amp.initialize; first call "
+            "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)`"
+        )
+    sessions = []
+    for optimizer in optimizers:
+        session = session_for(optimizer)
+        if session is None:
+            raise RuntimeError(
+                f"amp.{caller} got an optimizer ({type(optimizer).__name__}) that amp.initialize never saw; "
+                "pass every optimizer to amp.initialize (and use the objects it returns)"
+            )
+        if session not in sessions:
+            sessions.append(session)
+    if len(sessions) > 1:
+        raise RuntimeError(
+            f"amp.{caller} got optimizers from different amp.initialize calls; pass all models and "
+            "optimizers that are trained together to one amp.initialize call"
+        )
+    if not sessions:
+        raise ValueError(f"amp.{caller} needs at least one optimizer, got an empty list")
+    return sessions[0]
+
+
+@contextlib.contextmanager
+def scale_loss(
+    loss: Tensor,
+    optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+    loss_id: int = 0,
+    model: Optional[torch.nn.Module] = None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+) -> Iterator[Tensor]:
+    """Context manager yielding ``loss.float() * loss_scale``; call ``backward()`` on it inside.
+
+    On exit the gradients this backward produced are checked for inf/NaN and
+    unscaled (into the fp32 master gradients under O2), and added to any
+    gradients that already existed (several backward passes, even with
+    different scales, accumulate correctly). On overflow the next
+    ``optimizer.step()`` of every optimizer passed here is skipped and this
+    loss's scale is reduced; the message ``Gradient overflow.  Skipping step,
+    loss scaler 0 reducing loss scale to 32768.0`` is logged (rate-limited).
+
+    Args:
+        loss: the loss tensor to scale.
+        optimizers: the optimizer(s), returned by ``amp.initialize``, whose
+            parameters this backward reaches.
+        loss_id: which loss scaler to use, in ``[0, num_losses)``.
+        model: accepted for apex compatibility; not needed.
+        delay_unscale: leave the gradients scaled (accumulation over several
+            backward passes with the same loss and scale); the last pass before
+            ``optimizer.step()`` must use ``delay_unscale=False``. Ignored when
+            gradients from an earlier, unscaled pass exist (they are merged now).
+        delay_overflow_check: accepted for apex compatibility; the check never
+            syncs with the host here, so there is nothing to delay.
+
+    .. note::
+        Nothing in this context manager syncs with the host. With a
+        non-fused optimizer the following ``optimizer.step()`` reads the
+        overflow flag (one sync per step, like ``torch.amp.GradScaler``);
+        :class:`apex_amp.optimizers.FusedAdam` decides on the device.
+
+    Example::
+
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> loss = criterion(model(x), y)
+        >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...     scaled_loss.backward()
+        >>> optimizer.step()
+    """
+    optimizer_list = as_optimizer_list(optimizers)
+    session = find_session(optimizer_list, "scale_loss")
+    if not session.enabled:
+        yield loss
+        return
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"amp.scale_loss expects the loss as a tensor, got {type(loss).__name__}")
+    num_losses = len(session.scalers)
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < num_losses:
+        raise ValueError(
+            f"loss_id={loss_id!r} is out of range: amp.initialize was called with num_losses={num_losses}, "
+            f"so loss_id must be in [0, {num_losses - 1}]; pass num_losses=N to amp.initialize for N losses"
+        )
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    scaler = session.scalers[loss_id]
+    session.flush_logs()
+    states = [session.state_of(optimizer) for optimizer in optimizer_list]
+    for optimizer, state in zip(optimizer_list, states):
+        state.prepare_backward(optimizer, scaler, loss_id)
+
+    if scaler.static_value == 1.0:
+        scaled_loss = loss.float()
+    elif scaler.static_value is not None:
+        scaled_loss = loss.float() * scaler.static_value
+    else:
+        scaled_loss = loss.float() * scaler.scale_for_loss().to(loss.device)
+    try:
+        yield scaled_loss
+    except BaseException:
+        for state in states:
+            state.abort_backward()
+        raise
+
+    found_inf = torch.zeros(1, device=scaler.device)
+    inv_scale = scaler.inv_scale()  # before update(): the scale these gradients carry
+    checked = [
+        state for state in states
+        if state.finish_backward(scaler, loss_id, inv_scale, found_inf, delay_unscale)
+    ]
+    if checked:
+        scaler.update(found_inf)
+        for state in checked:
+            state.note_found_inf(found_inf)
+    if session.properties.patch_torch_functions:
+        from . import casting
+
+        casting.clear_cache()

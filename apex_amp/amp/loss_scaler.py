@@ -1,0 +1,163 @@
+"""One loss scaler per ``loss_id``: the scale and its counters live on the device.
+
+The dynamic rule is apex's (x2 after ``scale_window`` clean steps, /2 on
+overflow) plus a floor, a cap and an optional hysteresis; it runs on the
+device through :func:`apex_amp.ops.update_scale_`, so neither the check nor
+the update ever forces a host sync. Only :meth:`LossScaler.loss_scale` and
+:meth:`LossScaler.state_dict` read the device values, and say so.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from ._logging import OverflowLog
+
+__all__ = ["LossScaler"]
+
+GROWTH_FACTOR = 2.0
+BACKOFF_FACTOR = 0.5
+
+_STATE_KEYS = ("loss_scale", "unskipped", "hysteresis_tracker", "dynamic", "overflows")
+
+
+class LossScaler:
+    """The scale of one loss, its growth/hysteresis trackers and its overflow log.
+
+    Args:
+        loss_id: which loss this scaler belongs to (names it in messages).
+        device: where the scale lives (the device of the model's parameters).
+        init_scale: the scale before the first step (the scale itself when static).
+        dynamic: whether the scale adapts to overflows.
+        check_finite: whether gradients are checked and non-finite steps skipped.
+        min_scale, max_scale: floor and cap of a dynamic scale.
+        scale_window: clean steps before the scale grows.
+        hysteresis: overflows tolerated before the scale backs off (1: at once).
+        log_enabled: whether overflow messages go to the log (verbosity >= 1).
+    """
+
+    def __init__(
+        self,
+        loss_id: int,
+        device: torch.device,
+        *,
+        init_scale: float,
+        dynamic: bool,
+        check_finite: bool,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        scale_window: int = 2000,
+        hysteresis: int = 1,
+        log_enabled: bool = True,
+    ) -> None:
+        self.loss_id = loss_id
+        self.device = torch.device(device)
+        self.dynamic = dynamic
+        self.check_finite = check_finite
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.scale_window = scale_window
+        self.hysteresis = hysteresis
+        self.scale = torch.full((1,), float(init_scale), dtype=torch.float32, device=self.device)
+        self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.hysteresis_tracker = torch.full((1,), hysteresis, dtype=torch.int32, device=self.device)
+        # Count of overflowing backward passes, accumulated on the device.
+        self.overflows = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # A static scale is known on the host, which lets scale_loss skip work
+        # (no multiply when it is 1.0, a read-only check instead of an unscale).
+        self.static_value = None if dynamic else float(init_scale)
+        self._static_inv_scale = None if dynamic else torch.full((1,), 1.0 / init_scale, device=self.device)
+        # Host count of update() calls: gradients accumulated under one value of
+        # it were all scaled by the same scale.
+        self.updates = 0
+        self.log = OverflowLog(loss_id, enabled=log_enabled)
+
+    # The scale that multiplies the loss, as a 0-dim device tensor (no sync).
+    def scale_for_loss(self) -> Tensor:
+        return self.scale.reshape(())
+
+    def inv_scale(self) -> Tensor:
+        """1/scale as a one-element device tensor that later updates don't change."""
+        if self._static_inv_scale is not None:
+            return self._static_inv_scale
+        return torch.reciprocal(self.scale)
+
+    def update(self, found_inf: Tensor) -> None:
+        """Account for one backward pass whose gradients set ``found_inf`` (device only, no sync)."""
+        if not self.check_finite:
+            return
+        self.updates += 1
+        self.overflows.add_(found_inf.to(torch.int64))
+        if self.dynamic:
+            ops.update_scale_(
+                self.scale,
+                self.growth_tracker,
+                self.hysteresis_tracker,
+                found_inf,
+                growth_factor=GROWTH_FACTOR,
+                backoff_factor=BACKOFF_FACTOR,
+                growth_interval=self.scale_window,
+                hysteresis=self.hysteresis,
+                min_scale=self.min_scale,
+                max_scale=self.max_scale,
+            )
+        self.log.record(found_inf, self.scale, static=not self.dynamic)
+
+    def loss_scale(self) -> float:
+        """The current scale as a Python float.
+
+        .. note:: Reads the device value: a host sync on CUDA.
+        """
+        return float(self.scale.item())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scale, counters and hysteresis as Python numbers (exact for float32/int32 values).
+
+        .. note:: Reads the device values: a host sync on CUDA.
+        """
+        self.log.flush(block=True)
+        return {
+            "loss_scale": float(self.scale.item()),
+            "unskipped": int(self.growth_tracker.item()),
+            "hysteresis_tracker": int(self.hysteresis_tracker.item()),
+            "dynamic": self.dynamic,
+            "overflows": int(self.overflows.item()),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        name = f"loss_scaler{self.loss_id}"
+        if not isinstance(state, Mapping):
+            raise TypeError(f"amp state {name!r} must be a dict, got {type(state).__name__}")
+        # Only apex's two keys are required, so apex checkpoints load too.
+        for key in ("loss_scale", "unskipped"):
+            if key not in state:
+                raise ValueError(f"amp state {name!r} has no {key!r}; was it saved by amp.state_dict()?")
+        unknown = set(state) - set(_STATE_KEYS)
+        if unknown:
+            raise ValueError(f"amp state {name!r} has unexpected keys {sorted(unknown)}; expected {list(_STATE_KEYS)}")
+        if "dynamic" in state and bool(state["dynamic"]) != self.dynamic:
+            kind = "dynamic" if state["dynamic"] else "static"
+            raise ValueError(
+                f"amp state {name!r} was saved with a {kind} loss scale but this run's scale is "
+                f"{'dynamic' if self.dynamic else 'static'}; initialize with the same opt_level and loss_scale"
+            )
+        scale = state["loss_scale"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"amp state {name!r}: loss_scale must be a positive finite number, got {scale!r}")
+        counters = {key: state.get(key, default) for key, default in
+                    (("unskipped", 0), ("hysteresis_tracker", self.hysteresis), ("overflows", 0))}
+        for key, value in counters.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"amp state {name!r}: {key} must be an integer >= 0, got {value!r}")
+        self.scale.fill_(float(scale))
+        self.growth_tracker.fill_(counters["unskipped"])
+        self.hysteresis_tracker.fill_(counters["hysteresis_tracker"])
+        self.overflows.fill_(counters["overflows"])
+        if not self.dynamic:
+            self.static_value = float(scale)
+            self._static_inv_scale.fill_(1.0 / float(scale))

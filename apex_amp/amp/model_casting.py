@@ -1,0 +1,125 @@
+"""O0/O2/O3 model casting: weights, forward inputs and outputs, fp32 state_dict under O2.
+
+Everything here uses torch's own module extension points, so the model keeps
+its identity and type and can be wrapped (DDP, torch.compile) afterwards:
+
+* weights and buffers are cast in place (``param.data``), as ``Module.to``
+  does, so every ``Parameter`` object the optimizer holds stays the same;
+* inputs and outputs are cast by forward pre/post hooks;
+* under O2 a ``state_dict`` post-hook reports fp32 values (the fp32 master
+  weights, so a checkpoint is exact), and a ``load_state_dict`` pre-hook copies
+  loaded fp32 values into the masters before torch rounds them into the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["cast_model_", "cast_floating_tensors", "add_cast_hooks", "add_master_state_dict_hooks"]
+
+# Returns the fp32 master of a model parameter, or None when it has none.
+MasterLookup = Callable[[Tensor], Optional[Tensor]]
+
+
+def cast_model_(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+    """Cast the floating parameters, grads and buffers of ``model`` to ``dtype``, in place."""
+    for module in model.modules():
+        if keep_batchnorm_fp32 and isinstance(module, _BatchNorm):
+            continue
+        with torch.no_grad():
+            for param in module.parameters(recurse=False):
+                if param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+                    if param.grad is not None:
+                        param.grad = param.grad.to(dtype)
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.is_floating_point() and buffer.dtype != dtype:
+                    setattr(module, name, buffer.to(dtype))
+
+
+def cast_floating_tensors(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating tensor cast to ``dtype``, through lists, tuples and dicts.
+
+    Non-floating tensors and other objects are returned as they are.
+    """
+    if isinstance(value, Tensor):
+        if value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+    if isinstance(value, dict):
+        items = [(key, cast_floating_tensors(item, dtype)) for key, item in value.items()]
+        try:
+            return type(value)(items)
+        except TypeError:  # dict subclasses with other constructors (defaultdict, ...)
+            return dict(items)
+    if isinstance(value, tuple):
+        cast = [cast_floating_tensors(item, dtype) for item in value]
+        if hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*cast)
+        return tuple(cast)
+    if isinstance(value, list):
+        return [cast_floating_tensors(item, dtype) for item in value]
+    return value
+
+
+def add_cast_hooks(
+    model: nn.Module, input_dtype: Optional[torch.dtype], output_dtype: Optional[torch.dtype]
+) -> list[RemovableHandle]:
+    """Forward hooks casting ``model``'s inputs to ``input_dtype`` and outputs to ``output_dtype``."""
+    handles = []
+    if input_dtype is not None:
+
+        def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return cast_floating_tensors(args, input_dtype), cast_floating_tensors(kwargs, input_dtype)
+
+        handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+    if output_dtype is not None:
+
+        def cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
+            return cast_floating_tensors(output, output_dtype)
+
+        handles.append(model.register_forward_hook(cast_outputs))
+    return handles
+
+
+def _named_params_under(module: nn.Module, prefix: str) -> dict[str, Tensor]:
+    # state_dict keys of the module's parameters (shared ones under every name).
+    base = prefix[:-1] if prefix.endswith(".") else prefix
+    return dict(module.named_parameters(prefix=base, remove_duplicate=False))
+
+
+def add_master_state_dict_hooks(model: nn.Module, master_of: MasterLookup) -> list[RemovableHandle]:
+    """Make ``model.state_dict()`` fp32 (masters for mastered params) and loads refresh the masters."""
+
+    def fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        params = _named_params_under(module, prefix)
+        for key, value in list(state_dict.items()):
+            if not key.startswith(prefix) or isinstance(value, nn.Parameter):
+                continue  # another module's entry, or keep_vars=True: hand back the real Parameter
+            param = params.get(key)
+            master = master_of(param) if param is not None else None
+            if master is not None:
+                state_dict[key] = master.detach()
+            elif isinstance(value, Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+                state_dict[key] = value.float()
+
+    def load_into_masters(module: nn.Module, state_dict: dict, prefix: str, *unused: Any) -> None:
+        # Runs before torch copies the values into the (half) parameters, so the
+        # masters get the exact fp32 values and the model their rounding.
+        with torch.no_grad():
+            for key, param in _named_params_under(module, prefix).items():
+                master = master_of(param)
+                value = state_dict.get(key)
+                if master is None or not isinstance(value, Tensor) or value.shape != master.shape:
+                    continue  # torch reports missing or mismatched entries itself
+                master.copy_(value)
+
+    return [
+        model.register_state_dict_post_hook(fp32_state_dict),
+        model.register_load_state_dict_pre_hook(load_into_masters),
+    ]
