@@ -2,6 +2,8 @@
 // dispatcher (csrc/ops.cpp); this module only reports how it was built.
 #include <torch/extension.h>
 
+#include "cpu/kernel_table.h"
+
 // setup.py defines these for a CUDA build.
 #ifndef APEX_AMP_CUDA_ARCHS
 #define APEX_AMP_CUDA_ARCHS ""
@@ -23,6 +25,9 @@ py::dict build_info() {
   info["cuda_archs"] = std::string();
   info["cuda_version"] = py::none();
 #endif
+  // The CPU kernel variants compiled in, and the one chosen for this CPU.
+  info["cpu_isas"] = std::string(apex_amp::cpu::compiled_isas());
+  info["cpu_isa"] = std::string(apex_amp::cpu::active_isa());
   info["compiler"] = std::string(__VERSION__);
   return info;
 }
@@ -31,5 +36,5 @@ py::dict build_info() {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "apex_amp's compiled kernels (ops live in torch.ops.apex_amp)";
-  m.def("build_info", &build_info, "How this extension was built: CUDA, archs, compiler.");
+  m.def("build_info", &build_info, "How this extension was built: CPU ISAs, CUDA, archs, compiler.");
 }
