@@ -78,6 +78,17 @@ def collect() -> dict[str, Any]:
     }
 
 
+def _cpu_line(build: dict[str, Any]) -> str:
+    if not build:
+        return "none (no extension loaded)"
+    line = "compiled"
+    if build.get("cpu_isas"):
+        line += f" for {build['cpu_isas']}; {build.get('cpu_isa', '?')} in use on this CPU"
+    if build.get("compiler"):
+        line += f" (compiler {build['compiler']})"
+    return line
+
+
 def _cuda_line(build: dict[str, Any]) -> str:
     if not build:
         return "none (no extension loaded)"
@@ -100,13 +111,12 @@ def format_report(info: dict[str, Any]) -> str:
         extension = f"loaded from {info['extension_path']}"
     else:
         extension = f"not loaded: {info['extension_reason']}"
-    known = {"cuda", "cuda_archs", "cuda_version", "compiler"}
+    known = {"cuda", "cuda_archs", "cuda_version", "compiler", "cpu_isas", "cpu_isa"}
     lines = [
         f"apex_amp {info['apex_amp_version']}",
         f"  extension      {extension}",
         f"  ops backend    {info['backend']}",
-        f"  CPU kernels    {'compiled' if build else 'none (no extension loaded)'}"
-        + (f" (compiler {build['compiler']})" if build.get("compiler") else ""),
+        f"  CPU kernels    {_cpu_line(build)}",
         f"  CUDA kernels   {_cuda_line(build)}",
         *(f"  {key:<14} {value}" for key, value in build.items() if key not in known),
         "kernels per op (torch.ops.apex_amp)",
