@@ -1,0 +1,255 @@
+"""The workloads of bench_kernels.py: transformer-like tensor lists and, per section, the calls to time.
+
+Each ``*_cases`` function builds every implementation of one workload on ``copies``
+independent copies of its data (see ``_timing.cache_rotation_count``) and returns
+:class:`Case` objects whose ``fn`` steps through those copies one call at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Callable, Optional
+
+import torch
+
+# Hyper-parameters of every Adam here (AdamW, as in transformer training).
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, **HALF_DTYPES}
+# Unscaling in place is repeated on the same grads; alternating x0.5 and x2 keeps their
+# magnitude (and so the work: no denormals, no overflow) the same from call to call.
+INV_SCALES = (0.5, 2.0)
+
+
+@dataclasses.dataclass
+class Case:
+    """One implementation of one workload: the call to time and what it moves per element."""
+
+    impl: str
+    fn: Optional[Callable[[], object]]  # None: could not run here, see note
+    bytes_per_element: float
+    read_only: bool = False
+    compare_with: tuple[str, ...] = ()  # apex_amp cases this peer's time is divided by
+    note: str = ""
+
+
+# ----------------------------------------------------------------------------- tensor lists
+
+
+def transformer_like_shapes(total: int) -> tuple[list[tuple[int, ...]], str]:
+    """Shapes of a pre-LayerNorm transformer with about ``total`` parameters, and a description.
+
+    4 layers below 4M parameters, else 8, with d_model (a multiple of 64) chosen so that
+    about 85% of the parameters sit in the layers' four matrices (qkv, out, fc1, fc2) and
+    the rest in the token embedding. Every layer also has four bias vectors and two
+    LayerNorms (weight and bias), so most tensors are small vectors, as in real models.
+    """
+    planned_layers = 4 if total < 4 * 10**6 else 8
+    d = max(64, 64 * round(math.sqrt(0.85 * total / (12 * planned_layers)) / 64))
+    per_layer = 12 * d * d + 13 * d
+    layers = max(1, round(0.85 * total / per_layer))
+    while layers > 1 and layers * per_layer + 3 * d > total:  # leave room for the embedding
+        layers -= 1
+    vocab = max(1, (total - layers * per_layer - 2 * d) // d)
+    layer = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    shapes = [(vocab, d)] + layer * layers + [(d,), (d,)]
+    elements = sum(math.prod(s) for s in shapes)
+    description = (f"d_model={d}, {layers} layers x (qkv, out, fc1, fc2 matrices + 4 biases + 2 LayerNorms), "
+                   f"({vocab}, {d}) embedding, final LayerNorm: {len(shapes)} tensors, {elements:,} elements, "
+                   f"smallest {d}")
+    return shapes, description
+
+
+def make_list(shapes, dtype, fill: str, generator: torch.Generator) -> list[torch.Tensor]:
+    if fill == "zeros":
+        return [torch.zeros(s, dtype=dtype) for s in shapes]
+    scale = {"param": 0.02, "grad": 1e-3}[fill]
+    return [(torch.randn(s, generator=generator) * scale).to(dtype) for s in shapes]
+
+
+def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    # Each timed call takes the next independent copy of the data, so a copy is cold
+    # again by the time it comes back (see _timing.cache_rotation_count).
+    cycle = itertools.cycle(calls)
+    return lambda: next(cycle)()
+
+
+def inv_scale_cycle() -> Callable[[], torch.Tensor]:
+    cycle = itertools.cycle([torch.full((1,), s) for s in INV_SCALES])
+    return lambda: next(cycle)
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def adam_cases(ops, shapes, copies, gen, deepspeed) -> list[Case]:
+    def apex_call():
+        params, grads = make_list(shapes, torch.float32, "param", gen), make_list(shapes, torch.float32, "grad", gen)
+        m, v = make_list(shapes, torch.float32, "zeros", gen), make_list(shapes, torch.float32, "zeros", gen)
+        step = torch.zeros(1)
+        return lambda: ops.fused_adam_(params, grads, m, v, [], step, LR, *BETAS, EPS, WEIGHT_DECAY,
+                                       True, True, None, None)
+
+    def torch_optimizer(**flags):
+        params = [torch.nn.Parameter(t) for t in make_list(shapes, torch.float32, "param", gen)]
+        for p, g in zip(params, make_list(shapes, torch.float32, "grad", gen)):
+            p.grad = g
+        optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **flags)
+        optimizer.step()  # creates the state, so the timed steps allocate nothing
+        return optimizer
+
+    def torch_fused_op(optimizer):
+        params = optimizer.param_groups[0]["params"]
+        states = [optimizer.state[p] for p in params]
+        lists = [params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                 [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states]]
+        return lambda: torch._fused_adamw_(*lists, lr=LR, beta1=BETAS[0], beta2=BETAS[1],
+                                           weight_decay=WEIGHT_DECAY, eps=EPS, amsgrad=False, maximize=False)
+
+    fused = [torch_optimizer(fused=True) for _ in range(copies)]
+    apex, apex_optimizer = "apex_amp fused_adam_", "apex_amp FusedAdam.step()"
+    cases = [
+        Case(apex, rotating([apex_call() for _ in range(copies)]), 28),
+        apex_optimizer_case(apex_optimizer, ops, shapes, copies, gen),
+        Case("torch AdamW(fused=True).step()", rotating([o.step for o in fused]), 28,
+             compare_with=(apex, apex_optimizer)),
+        Case("torch._fused_adamw_ (bare op)", rotating([torch_fused_op(o) for o in fused]), 28, compare_with=(apex,),
+             note="same op as the row above, without the optimizer's Python"),
+        Case("torch AdamW(foreach=True).step()", rotating([torch_optimizer(foreach=True).step for _ in range(copies)]),
+             28, compare_with=(apex,), note="unfused: several passes"),
+    ]
+    deepspeed_optimizer, reason = deepspeed
+    if deepspeed_optimizer is None:
+        cases.append(Case("DeepSpeedCPUAdam.step()", None, 28, compare_with=(apex,), note=f"not run: {reason}"))
+    else:
+        # One optimizer with a param group per data copy, each call stepping one group: its
+        # constructor probes the CPU with py-cpuinfo, which takes seconds per instance.
+        groups = []
+        for _ in range(copies):
+            params = [torch.nn.Parameter(t) for t in make_list(shapes, torch.float32, "param", gen)]
+            for p, g in zip(params, make_list(shapes, torch.float32, "grad", gen)):
+                p.grad = g
+            groups.append({"params": params})
+        optimizer = deepspeed_optimizer(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                        adamw_mode=True)
+        optimizer.step()  # creates the state of every group
+        all_groups = list(optimizer.param_groups)
+
+        def step_group(group):
+            def step():
+                optimizer.param_groups = [group]
+                optimizer.step()
+            return step
+        cases.append(Case("DeepSpeedCPUAdam.step()", rotating([step_group(g) for g in all_groups]), 28,
+                          compare_with=(apex,)))
+    return cases
+
+
+def apex_optimizer_case(name, ops, shapes, copies, gen) -> Case:
+    # The optimizer a user steps (its Python included), beside torch's optimizer step.
+    import apex_amp.ops as amp_ops
+
+    note = "the op above plus the optimizer's Python"
+    if ops is not amp_ops.backend_namespace():
+        return Case(name, None, 28, note=f"not run: FusedAdam uses the {amp_ops.BACKEND} backend")
+    try:
+        from apex_amp.optimizers import FusedAdam
+
+        def make():
+            params = [torch.nn.Parameter(t) for t in make_list(shapes, torch.float32, "param", gen)]
+            for p, g in zip(params, make_list(shapes, torch.float32, "grad", gen)):
+                p.grad = g
+            optimizer = FusedAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, adam_w_mode=True)
+            optimizer.step()
+            return optimizer.step
+        return Case(name, rotating([make() for _ in range(copies)]), 28, note=note)
+    except Exception as error:  # noqa: BLE001  (the frontend is optional for a kernel benchmark)
+        return Case(name, None, 28, note=f"not run: {type(error).__name__}: {str(error)[:120]}")
+
+
+def o2_cases(ops, shapes, copies, gen, half_dtype) -> list[Case]:
+    def apex_call():
+        model = make_list(shapes, half_dtype, "param", gen)
+        masters = [t.float() for t in model]
+        grads = make_list(shapes, half_dtype, "grad", gen)
+        m, v = make_list(shapes, torch.float32, "zeros", gen), make_list(shapes, torch.float32, "zeros", gen)
+        step, found_inf, next_inv_scale = torch.zeros(1), torch.zeros(1), inv_scale_cycle()
+
+        def o2_step():
+            found_inf.zero_()
+            ops.check_finite(grads, found_inf)
+            ops.fused_adam_(masters, grads, m, v, model, step, LR, *BETAS, EPS, WEIGHT_DECAY, True, True,
+                            next_inv_scale(), found_inf)
+        return o2_step
+
+    def torch_call():
+        model = make_list(shapes, half_dtype, "param", gen)
+        masters = [torch.nn.Parameter(t.float()) for t in model]
+        grads = make_list(shapes, half_dtype, "grad", gen)
+        master_grads = [torch.zeros_like(p) for p in masters]
+        for p, g in zip(masters, master_grads):
+            p.grad = g
+        optimizer = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+        optimizer.step()
+        found_inf, next_inv_scale = torch.zeros(()), inv_scale_cycle()  # 0-dim, as GradScaler makes it
+        # What torch.amp.GradScaler.step does for a fused optimizer: hand it found_inf, so
+        # the kernel skips the step on overflow without a host sync.
+        optimizer.found_inf, optimizer.grad_scale = found_inf, None
+
+        def o2_step():
+            found_inf.zero_()
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, next_inv_scale())
+            torch._foreach_copy_(master_grads, grads)
+            optimizer.step()
+            torch._foreach_copy_(model, masters)
+        return o2_step
+
+    apex = "apex_amp check_finite + fused_adam_"
+    return [
+        Case(apex, rotating([apex_call() for _ in range(copies)]), 30,
+             note="check 2 + Adam (p 8, g 2, m 8, v 8, model 2)"),
+        Case("torch unscale + copy + AdamW(fused).step() + copy", rotating([torch_call() for _ in range(copies)]), 44,
+             compare_with=(apex,), note="unscale 4 + copy 6 + Adam 28 + copy 6"),
+    ]
+
+
+def check_cases(ops, shapes, copies, gen, dtype) -> list[Case]:
+    size = torch.empty((), dtype=dtype).element_size()
+
+    def lists():
+        return [make_list(shapes, dtype, "grad", gen) for _ in range(copies)]
+
+    def apex_check(grads):
+        found_inf = torch.zeros(1)
+        return lambda: ops.check_finite(grads, found_inf)
+
+    def unscale(op, grads):
+        found_inf, next_inv_scale = torch.zeros(1), inv_scale_cycle()
+        return lambda: op(grads, found_inf, next_inv_scale())
+
+    check, apex_unscale = "apex_amp check_finite", "apex_amp unscale_"
+    return [
+        Case(check, rotating([apex_check(g) for g in lists()]), size, read_only=True),
+        Case(apex_unscale, rotating([unscale(ops.unscale_, g) for g in lists()]), 2 * size),
+        Case("torch._amp_foreach_non_finite_check_and_unscale_",
+             rotating([unscale(torch._amp_foreach_non_finite_check_and_unscale_, g) for g in lists()]),
+             2 * size, compare_with=(check, apex_unscale)),
+    ]
+
+
+def load_deepspeed_cpu_adam():
+    """DeepSpeedCPUAdam with its compiled op loaded, or (None, why not)."""
+    try:
+        import logging
+        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+        CPUAdamBuilder().load()  # JIT-compiles with ninja on first use (~1-2 min), cached afterwards
+    except Exception as error:  # noqa: BLE001  (any failure means: report the peer as missing)
+        message = str(error).strip().splitlines()[-1:] or [""]
+        if isinstance(error, ModuleNotFoundError):
+            return None, "deepspeed not installed (optional; see benchmarks/README.md)"
+        return None, f"{type(error).__name__}: {message[0][:160]}"
+    return DeepSpeedCPUAdam, ""

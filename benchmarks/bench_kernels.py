@@ -1,0 +1,287 @@
+"""Benchmark apex_amp's fused CPU kernels against their peers, measured in the same run.
+
+Sections (each at every size, on a transformer-like list of tensors):
+  adam   fp32 AdamW: apex_amp fused_adam_ vs torch AdamW(fused=True) (its step(), and its
+         bare op), torch AdamW(foreach=True), and DeepSpeed's DeepSpeedCPUAdam.
+  o2     the whole O2 optimizer step for fp16 and bf16 model weights: apex_amp check_finite
+         + fused_adam_ (unscale folded in, fp32 masters, half model copy written in the same
+         pass) vs torch's best composition (GradScaler's unscale of the half grads, a copy
+         into fp32 master grads, AdamW(fused=True) told about found_inf, a copy back).
+  check  check_finite and unscale_ vs torch._amp_foreach_non_finite_check_and_unscale_.
+Before them the machine's streaming bandwidth is measured, and every kernel's median is
+shown as a multiple of its bound (bytes moved per element / bandwidth). See README.md.
+
+Run (from the repository root, in the venv where apex_amp is installed):
+    python benchmarks/bench_kernels.py                      # 1M, 16M, 64M; 2 threads
+    python benchmarks/bench_kernels.py --sizes 1M --reps 5  # a quick look
+    python benchmarks/bench_kernels.py --backend fallback --json /tmp/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from _timing import (Bandwidth, Timing, cache_rotation_count, format_table, machine_info, parallel_region_latency,
+                     time_interleaved)
+
+try:
+    import apex_amp.ops as amp_ops
+except ModuleNotFoundError:  # running from a checkout without an install: use the source tree
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import apex_amp.ops as amp_ops
+from apex_amp._extension import STATUS
+from _kernel_workloads import (DTYPES, HALF_DTYPES, Case, adam_cases, check_cases, load_deepspeed_cpu_adam, o2_cases,
+                               transformer_like_shapes)
+
+# ----------------------------------------------------------------------------- running and reporting
+
+
+@dataclasses.dataclass
+class Row:
+    section: str
+    size: str
+    dtype: str
+    elements: int
+    case: Case
+    timing: Optional[Timing]
+    ratios: dict  # apex impl -> this median / that median (> 1: apex faster)
+    bound_multiple: Optional[float]
+
+    def to_json(self) -> dict:
+        return {"section": self.section, "size": self.size, "dtype": self.dtype, "elements": self.elements,
+                "impl": self.case.impl, "bytes_per_element": self.case.bytes_per_element,
+                "read_only": self.case.read_only, "note": self.case.note,
+                "timing": self.timing.to_json() if self.timing else None,
+                "ns_per_element": self.timing.ns_per(self.elements) if self.timing else None,
+                "bound_multiple": self.bound_multiple, "peer_over_apex": self.ratios}
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 10**3, "M": 10**6, "G": 10**9}
+    text = text.strip().upper()
+    try:
+        return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+    except (ValueError, IndexError, KeyError):
+        raise argparse.ArgumentTypeError(f"size {text!r} is not a count like 1M, 16M or 500000") from None
+
+
+def default_reps(elements: int) -> int:
+    # Small sizes are cheap, so more samples; keeps the default run within a few minutes.
+    return 30 if elements <= 4 * 10**6 else 15 if elements <= 32 * 10**6 else 10
+
+
+def run_section(section, ops, sizes, args, bandwidth, deepspeed) -> list[Row]:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for label in sizes:
+        shapes, _ = transformer_like_shapes(parse_size(label))
+        elements = sum(math.prod(s) for s in shapes)
+        variants = {"adam": ["fp32"], "o2": list(HALF_DTYPES), "check": list(DTYPES)}[section]
+        for dtype in variants:
+            bytes_per_set = {"adam": 16, "o2": 16, "check": DTYPES[dtype].itemsize}[section] * elements
+            copies = 1 if args.hot_cache else cache_rotation_count(bytes_per_set)
+            set_up_at = time.perf_counter()
+            if section == "adam":
+                cases = adam_cases(ops, shapes, copies, gen, deepspeed)
+            elif section == "o2":
+                cases = o2_cases(ops, shapes, copies, gen, HALF_DTYPES[dtype])
+            else:
+                cases = check_cases(ops, shapes, copies, gen, DTYPES[dtype])
+            reps = args.reps or default_reps(elements)
+            timed_at = time.perf_counter()
+            timings = time_interleaved({c.impl: c.fn for c in cases if c.fn is not None},
+                                       warmup=max(args.warmup, copies), reps=reps, rounds=args.rounds)
+            print(f"  {section} {label} {dtype}: {copies} cold cop{'y' if copies == 1 else 'ies'}, "
+                  f"set up in {timed_at - set_up_at:.1f} s, timed in {time.perf_counter() - timed_at:.1f} s",
+                  file=sys.stderr, flush=True)
+            for case in cases:
+                timing = timings.get(case.impl)
+                ratios = {name: timing.median / timings[name].median
+                          for name in case.compare_with if timing and name in timings}
+                bound = (bandwidth.bound_multiple(timing.median, elements, case.bytes_per_element,
+                                                  read_only=case.read_only) if timing else None)
+                rows.append(Row(section, label, dtype, elements, case, timing, ratios, bound))
+            del cases, timings
+    return rows
+
+
+def format_ratio(ratio: float) -> str:
+    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
+
+
+def render_rows(rows: list[Row]) -> str:
+    header = ["size", "dtype", "implementation", "B/el", "median ms", "IQR ms", "ns/el", "GB/s", "x bound",
+              "apex speedup", "note"]
+    table = []
+    for row in rows:
+        t = row.timing
+        speedup = ", ".join(format_ratio(ratio) + (f" vs {name.split()[-1]}" if len(row.ratios) > 1 else "")
+                            for name, ratio in row.ratios.items())
+        bytes_cell = f"{row.case.bytes_per_element:g}" + ("r" if row.case.read_only else "")
+        table.append([row.size, row.dtype, row.case.impl, bytes_cell,
+                      f"{t.median * 1e3:.3f}" if t else "-", f"{t.iqr * 1e3:.3f}" if t else "-",
+                      f"{t.ns_per(row.elements):.3f}" if t else "-",
+                      f"{row.case.bytes_per_element * row.elements / t.median / 1e9:.1f}" if t else "-",
+                      f"{row.bound_multiple:.2f}" if t else "-", speedup, row.case.note])
+    return format_table(header, table)
+
+
+def evaluate_targets(rows: list[Row], bandwidth: Bandwidth) -> list[tuple[str, str, bool]]:
+    """The targets of issue 2, item 5, against this run: (target, measured, met).
+
+    A speed-up target also shows its ceiling: the speed-up apex_amp would have if the
+    peer ran exactly at its own bound (its bytes per element over the bandwidth), which
+    is as fast as moving its data allows; a target above it needs the peer to be slow.
+    """
+    by_key = {(r.section, r.size, r.dtype, r.case.impl): r for r in rows if r.timing}
+    results = []
+
+    def speedup(label, section, size, dtype, peer, apex, need):
+        peer_row, apex_row = by_key.get((section, size, dtype, peer)), by_key.get((section, size, dtype, apex))
+        if peer_row is None or apex_row is None:
+            return
+        value = peer_row.ratios[apex]
+        ceiling = (bandwidth.bound_seconds(1, peer_row.case.bytes_per_element, read_only=peer_row.case.read_only)
+                   / bandwidth.bound_seconds(1, apex_row.case.bytes_per_element, read_only=apex_row.case.read_only))
+        results.append((f"{label} >= {need}x faster than {peer}",
+                        f"{format_ratio(value)} (ceiling with the peer at its bound: {ceiling:.2f}x)", value >= need))
+
+    def bound(label, section, size, dtype, apex, limit):
+        row = by_key.get((section, size, dtype, apex))
+        if row is not None and size in ("16M", "64M"):
+            results.append((f"{label} within {limit}x of the {row.case.bytes_per_element:g} B/el bound",
+                            f"{row.bound_multiple:.2f}x", row.bound_multiple <= limit))
+
+    adam, o2, check = "apex_amp fused_adam_", "apex_amp check_finite + fused_adam_", "apex_amp check_finite"
+    for size in dict.fromkeys(r.size for r in rows):
+        for peer in ("torch AdamW(fused=True).step()", "DeepSpeedCPUAdam.step()"):
+            speedup(f"(a) {size} fp32 Adam", "adam", size, "fp32", peer, adam, 1.3 if size == "1M" else 1.0)
+        bound(f"(a) {size} fp32 Adam", "adam", size, "fp32", adam, 1.15)
+        for dtype in HALF_DTYPES:
+            speedup(f"(b) {size} {dtype} O2 step", "o2", size, dtype,
+                    "torch unscale + copy + AdamW(fused).step() + copy", o2, 1.8)
+            bound(f"(b) {size} {dtype} O2 step", "o2", size, dtype, o2, 1.25)
+        for dtype in DTYPES:
+            speedup(f"(c) {size} {dtype} check_finite", "check", size, dtype,
+                    "torch._amp_foreach_non_finite_check_and_unscale_", check, 1.6)
+    return results
+
+
+SECTION_TITLES = {
+    "adam": "(a) fp32 AdamW step (28 B/el: param r/w 8, grad r 4, exp_avg r/w 8, exp_avg_sq r/w 8)",
+    "o2": "(b) O2 optimizer step, fp32 masters + half model copy (apex 30 B/el; torch's composition 44 B/el)",
+    "check": "(c) finite check / unscale of grads (check: read 4|2 B/el; unscale: read+write 8|4 B/el)",
+}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1M,16M,64M", help="parameter counts, comma-separated (default 1M,16M,64M)")
+    parser.add_argument("--threads", type=int, default=2, help="torch (and OpenMP) threads (default 2)")
+    parser.add_argument("--backend", choices=("extension", "fallback"), default=None,
+                        help="apex_amp implementation (default: the extension when it is built)")
+    parser.add_argument("--sections", default="adam,o2,check", help="any of adam,o2,check (default all)")
+    parser.add_argument("--reps", type=int, default=0, help="timed calls per implementation (default 30/15/10 by size)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaving rounds (default 3)")
+    parser.add_argument("--bandwidth-mb", type=int, default=512, help="buffer for the bandwidth test (default 512 MiB)")
+    parser.add_argument("--hot-cache", action="store_true",
+                        help="reuse one copy of the data (default: cycle through copies so every call is cold)")
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
+    parser.add_argument("--json", metavar="PATH", help="also write every sample and the summary here")
+    args = parser.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(args.sections) - set(SECTION_TITLES)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {list(SECTION_TITLES)}")
+    for size in args.sizes.split(","):
+        try:
+            parse_size(size)
+        except argparse.ArgumentTypeError as error:
+            parser.error(str(error))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    # DeepSpeed's kernels use OpenMP; its runtime reads this when the op is loaded.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+    backend = args.backend or amp_ops.BACKEND
+    ops = amp_ops.backend_namespace(backend)
+    sizes = [s.strip() for s in args.sizes.split(",")]
+    deepspeed = (None, "skipped (--no-deepspeed)") if args.no_deepspeed else (
+        load_deepspeed_cpu_adam() if "adam" in args.sections else (None, ""))
+
+    info = machine_info()
+    build = STATUS.build_info() if backend == "extension" else {}
+    print("apex_amp kernel benchmark")
+    print(f"machine: {info['cpu_model']}, {info['logical_cpus']} logical CPUs, last-level cache "
+          f"{info['last_level_cache_mib']:.0f} MiB; torch {info['torch_version']}, {args.threads} threads, "
+          f"ATen CPU capability {info['aten_cpu_capability']}; python {info['python']}")
+    print(f"apex_amp backend: {backend} (extension: {STATUS.reason}){'; build: ' + json.dumps(build) if build else ''}")
+    if deepspeed[0] is not None:
+        import deepspeed as deepspeed_module
+        print(f"deepspeed {deepspeed_module.__version__}: DeepSpeedCPUAdam loaded")
+    elif "adam" in args.sections:
+        print(f"deepspeed: {deepspeed[1]}")
+    print(f"load average at start (1/5/15 min): {info['load_average_1_5_15min']}"
+          + ("  <- machine busy: timings are noisy" if info["load_average_1_5_15min"][0] > 1.0 else ""))
+    probe = parallel_region_latency()
+    print(f"parallel-region probe (64K-element add_ with {args.threads} threads): {probe * 1e6:.0f} us"
+          + ("  <- another process holds a core: every timing below is inflated" if probe > 5e-4 else ""))
+    print("data: " + ("one copy reused (--hot-cache)" if args.hot_cache else
+                      "each call takes the next of several copies totalling >= 4x the last-level cache, "
+                      "so no call finds its data in cache (as after a forward/backward pass)"))
+    layouts = {}
+    for label in sizes:
+        layouts[label] = transformer_like_shapes(parse_size(label))[1]
+        print(f"  {label}: {layouts[label]}")
+
+    bandwidth = Bandwidth.measure(buffer_mb=args.bandwidth_mb)
+    print(f"\n(d) streaming bandwidth, {args.bandwidth_mb} MiB fp32 buffer, {args.threads} threads: "
+          f"in place (mul_) {bandwidth.inplace_gbs:.1f} GB/s [bound of read-write kernels], "
+          f"read only (sum/amax) {bandwidth.read_gbs:.1f} GB/s [bound of read-only kernels, marked r], "
+          f"copy {bandwidth.copy_gbs:.1f} GB/s [context only: write-allocate]")
+    print("x bound = median / (bytes per element x elements / bandwidth); apex speedup = peer median / "
+          "apex_amp median (> 1: apex_amp faster)")
+
+    rows = []
+    for section in args.sections:
+        section_rows = run_section(section, ops, sizes, args, bandwidth, deepspeed)
+        print(f"\n{SECTION_TITLES[section]}\n{render_rows(section_rows)}", flush=True)
+        rows += section_rows
+
+    targets = evaluate_targets(rows, bandwidth)
+    if targets:
+        print("\ntargets (issue 2, item 5):")
+        for text, measured, met in targets:
+            print(f"  {'MET   ' if met else 'MISSED'} {text}: {measured}")
+    load_end = [round(x, 2) for x in os.getloadavg()]
+    print(f"\nload average at end (1/5/15 min): {load_end} (this benchmark itself keeps {args.threads} cores busy); "
+          f"run took {time.perf_counter() - started:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "backend": backend, "extension": STATUS.reason, "build_info": build,
+                       "threads": args.threads, "hot_cache": args.hot_cache, "layouts": layouts,
+                       "bandwidth": bandwidth.to_json(), "rows": [r.to_json() for r in rows],
+                       "targets": [{"target": t, "measured": m, "met": ok} for t, m, ok in targets],
+                       "deepspeed": deepspeed[1] or "loaded", "load_average_end": load_end,
+                       "parallel_region_probe_s": probe}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
