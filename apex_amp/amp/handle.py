@@ -55,6 +55,12 @@ def find_session(optimizers: Sequence[torch.optim.Optimizer], caller: str) -> Am
     return sessions[0]
 
 
+def _skips_grad_sync(model: Optional[torch.nn.Module]) -> bool:
+    # DDP inside no_sync(): this backward's gradients are not all-reduced.
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return isinstance(model, ddp) and not model.require_backward_grad_sync
+
+
 @contextlib.contextmanager
 def scale_loss(
     loss: Tensor,
@@ -79,7 +85,12 @@ def scale_loss(
         optimizers: the optimizer(s), returned by ``amp.initialize``, whose
             parameters this backward reaches.
         loss_id: which loss scaler to use, in ``[0, num_losses)``.
-        model: accepted for apex compatibility; not needed.
+        model: the model this backward runs through. Pass the
+            ``DistributedDataParallel`` wrapper when accumulating under
+            ``no_sync()``: those passes then keep their gradients scaled and in
+            place (as ``delay_unscale=True``), so the next synchronising
+            backward all-reduces the whole sum and every rank checks the same
+            gradients and takes the same skip decision.
         delay_unscale: leave the gradients scaled (accumulation over several
             backward passes with the same loss and scale); the last pass before
             ``optimizer.step()`` must use ``delay_unscale=False``. Ignored when
@@ -119,6 +130,12 @@ def scale_loss(
     scaler = session.scalers[loss_id]
     session.flush_logs()
     states = [session.state_of(optimizer) for optimizer in optimizer_list]
+    if _skips_grad_sync(model):
+        # Checking these local gradients now would let ranks disagree on the
+        # skip; unscaling them would keep them out of DDP's next all-reduce.
+        for optimizer, state in zip(optimizer_list, states):
+            state.check_local_accumulation(optimizer, scaler, loss_id)
+        delay_unscale = True
     for optimizer, state in zip(optimizer_list, states):
         state.prepare_backward(optimizer, scaler, loss_id)
 

@@ -124,6 +124,25 @@ class OptimizerAmpState:
         for link in self.links:
             link.model_param.grad = None  # O2 model grads are amp's: masters hold the accumulated values
 
+    def check_local_accumulation(self, optimizer: torch.optim.Optimizer, scaler: "LossScaler", loss_id: int) -> None:
+        """Refuse a DDP ``no_sync`` pass whose gradients could not stay scaled in place."""
+        self.sync_param_groups(optimizer)
+        self._recover_from_interrupted_step()
+        if self.grad_state is GradState.DELAYED and self.delayed_key == (loss_id, scaler.updates):
+            return
+        # A SCALED state after a fused step holds no gradients: only real tensors count.
+        existing = any(p.grad is not None for p in self.direct_params) or any(
+            link.master.grad is not None or link.model_param.grad is not None for link in self.links
+        )
+        if existing:
+            raise RuntimeError(
+                "amp.scale_loss under DistributedDataParallel.no_sync() found gradients it cannot accumulate "
+                "in place (zeroed rather than set to None, left by another loss_id, or from a pass with a "
+                "different loss scale); merging them would leave rank-local values out of DDP's all-reduce. "
+                "Call optimizer.zero_grad(set_to_none=True) before the first no_sync pass and use one loss_id "
+                "per accumulated step"
+            )
+
     def abort_backward(self) -> None:
         """The user's block raised: drop the partial new gradients, put the stashed ones back."""
         if not self._continuing_delayed:
