@@ -15,6 +15,8 @@ __all__ = ["FusedAdam"]
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FP32_STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
 _GROUP_KEYS = ("lr", "bias_correction", "betas", "eps", "weight_decay")
+# The lists of one fused_adam_ call ("owners": the params whose state holds the step).
+_CALL_LISTS = ("owners", "params", "grads", "exp_avgs", "exp_avg_sqs", "model_params")
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -166,8 +168,10 @@ class FusedAdam(torch.optim.Optimizer):
                 if "exp_avg" not in state:
                     state["exp_avg"] = torch.zeros_like(target, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
-                lists = calls.setdefault((p.device, model_param is not None), {
-                    "owners": [], "params": [], "grads": [], "exp_avgs": [], "exp_avg_sqs": [], "model_params": []})
+                key = (p.device, model_param is not None)
+                lists = calls.get(key)
+                if lists is None:  # not setdefault: that would build a fresh dict for every param
+                    lists = calls[key] = {name: [] for name in _CALL_LISTS}
                 lists["owners"].append(p)
                 lists["params"].append(target)
                 lists["grads"].append(grad)
