@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import sys
 from typing import Iterator
@@ -156,6 +157,21 @@ def main(argv=None) -> int:
         sys.exit("run me under torchrun, e.g. `torchrun --nproc_per_node=2 examples/distributed.py`")
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
+    try:
+        all_identical = train_and_compare(args, use_cuda)
+    finally:
+        # DDP's reducer keeps the process group alive past destroy_process_group(), and gloo's
+        # worker threads may then release their last work item (holding Python tensors) while
+        # the interpreter shuts down, which aborts the process ("terminate called without an
+        # active exception", about one run in ten with torch 2.14). Collecting the dropped DDP
+        # wrapper first lets the process group join its threads here, while Python is alive.
+        gc.collect()
+        dist.destroy_process_group()
+    return 0 if all_identical else 1
+
+
+def train_and_compare(args: argparse.Namespace, use_cuda: bool) -> bool:
+    """Train on this rank's shard, compare everything with rank 0; True when all ranks agree."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -202,8 +218,7 @@ def main(argv=None) -> int:
             for other, names in enumerate(differing_per_rank):
                 if names:
                     print(f"  rank {other} differs from rank 0 in {len(names)} tensors, e.g. {names[:4]}")
-    dist.destroy_process_group()
-    return 0 if all_identical else 1
+    return all_identical
 
 
 if __name__ == "__main__":
