@@ -15,12 +15,15 @@ Conventions:
 
 Example::
 
+    >>> import torch
+    >>> from apex_amp import ops
+    >>> grads = [torch.full((3,), 65536.0), torch.full((2,), 131072.0, dtype=torch.bfloat16)]
     >>> found_inf = torch.zeros(1)
-    >>> inv_scale = torch.full((1,), 1 / 65536.0)
-    >>> grads = [p.grad for p in model.parameters()]
-    >>> apex_amp.ops.unscale_(grads, found_inf, inv_scale)
-    >>> if found_inf.item():   # host sync: only when you need the answer now
-    ...     print("overflow, skip this step")
+    >>> ops.unscale_(grads, found_inf, torch.full((1,), 1 / 65536.0))
+    >>> grads[1]
+    tensor([2., 2.], dtype=torch.bfloat16)
+    >>> bool(found_inf.item())   # a host sync: read the flag only when you need the answer
+    False
 """
 
 from __future__ import annotations
@@ -64,6 +67,16 @@ def backend_namespace(backend: Optional[str] = None):
 
     Args:
         backend: which implementation; ``None`` means the one in use (:data:`BACKEND`).
+
+    Example::
+
+        >>> import torch
+        >>> from apex_amp import ops
+        >>> ns = ops.backend_namespace("fallback")   # the pure-PyTorch ops, always available
+        >>> found_inf = torch.zeros(1)
+        >>> ns.check_finite([torch.tensor([1.0, float("nan")])], found_inf)
+        >>> found_inf
+        tensor([1.])
     """
     backend = BACKEND if backend is None else backend
     if backend == "extension":
@@ -94,6 +107,15 @@ def check_finite(tensors: Sequence[Tensor], found_inf: Tensor) -> None:
     Args:
         tensors: tensors to check (fp32/fp16/bf16, may be mixed).
         found_inf: one-element float32 flag, written only when a bad value is found.
+
+    Example::
+
+        >>> import torch
+        >>> from apex_amp import ops
+        >>> found_inf = torch.zeros(1)
+        >>> ops.check_finite([torch.ones(4), torch.tensor([0.5, float("inf")], dtype=torch.float16)], found_inf)
+        >>> found_inf
+        tensor([1.])
     """
     _ops.check_finite(list(tensors), found_inf)
 
@@ -105,6 +127,16 @@ def unscale_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor) -> N
         grads: gradients to unscale in place (fp32/fp16/bf16, may be mixed).
         found_inf: one-element float32 flag, set to 1 if any grad element is inf/NaN.
         inv_scale: one-element float32 tensor, usually ``1 / loss_scale``.
+
+    Example::
+
+        >>> import torch
+        >>> from apex_amp import ops
+        >>> grads = [torch.tensor([1024.0, -2048.0])]
+        >>> found_inf = torch.zeros(1)
+        >>> ops.unscale_(grads, found_inf, torch.full((1,), 1 / 1024.0))
+        >>> grads[0], found_inf
+        (tensor([ 1., -2.]), tensor([0.]))
     """
     _ops.unscale_(list(grads), found_inf, inv_scale)
 
@@ -121,6 +153,17 @@ def scale_(src: Sequence[Tensor], dst: Sequence[Tensor], scale: Tensor, found_in
         scale: one-element float32 multiplier.
         found_inf: one-element float32 flag, set to 1 if an element of ``src``
             or of the converted result is inf/NaN.
+
+    Example::
+
+        >>> import torch
+        >>> from apex_amp import ops
+        >>> master = [torch.tensor([1.0, 70000.0])]
+        >>> model_copy = [torch.empty(2, dtype=torch.float16)]
+        >>> found_inf = torch.zeros(1)
+        >>> ops.scale_(master, model_copy, torch.ones(1), found_inf)
+        >>> model_copy[0], found_inf   # 70000 overflows fp16: flagged
+        (tensor([1., inf], dtype=torch.float16), tensor([1.]))
     """
     _ops.scale_(list(src), list(dst), scale, found_inf)
 
@@ -139,6 +182,17 @@ def axpby_(x: Sequence[Tensor], y: Sequence[Tensor], a: Tensor, b: float, found_
         b: multiplier of ``y``.
         found_inf: one-element float32 flag, set to 1 if an element of ``x`` or
             of the result is inf/NaN.
+
+    Example::
+
+        >>> import torch
+        >>> from apex_amp import ops
+        >>> stashed = [torch.tensor([1.0, 2.0])]      # unscaled grads of an earlier pass
+        >>> new = [torch.tensor([512.0, 512.0])]      # this pass's grads, scaled by 256
+        >>> found_inf = torch.zeros(1)
+        >>> ops.axpby_(new, stashed, torch.full((1,), 1 / 256.0), 1.0, found_inf)
+        >>> stashed[0]
+        tensor([3., 4.])
     """
     _ops.axpby_(list(x), list(y), a, float(b), found_inf)
 
@@ -153,6 +207,15 @@ def l2norm(tensors: Sequence[Tensor], per_tensor: bool = False) -> tuple[Tensor,
     Returns:
         ``(total, per_tensor_norms)``: a 0-dim float32 tensor, and a float32
         tensor of ``len(tensors)`` norms (empty when ``per_tensor`` is False).
+
+    Example::
+
+        >>> import torch
+        >>> from apex_amp import ops
+        >>> total, per_tensor = ops.l2norm([torch.tensor([3.0]), torch.tensor([4.0], dtype=torch.bfloat16)],
+        ...                                per_tensor=True)
+        >>> total, per_tensor
+        (tensor(5.), tensor([3., 4.]))
     """
     return _ops.l2norm(list(tensors), per_tensor)
 
@@ -195,6 +258,21 @@ def fused_adam_(
             updated ``params`` in the same pass (O2's model copy).
         inv_scale: one-element float32 factor applied to the grads (fused unscale).
         found_inf: one-element float32 flag; when non-zero the op changes nothing.
+
+    Example::
+
+        >>> import torch
+        >>> from apex_amp import ops
+        >>> master = [torch.ones(4)]                               # fp32 master weights
+        >>> grad = [torch.full((4,), 128.0, dtype=torch.bfloat16)]  # grads scaled by 128
+        >>> m, v = [torch.zeros(4)], [torch.zeros(4)]
+        >>> model_weight = [torch.ones(4, dtype=torch.bfloat16)]
+        >>> step = torch.zeros(1)
+        >>> ops.fused_adam_(master, grad, m, v, step, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+        ...                 model_params=model_weight, inv_scale=torch.full((1,), 1 / 128.0),
+        ...                 found_inf=torch.zeros(1))
+        >>> master[0], model_weight[0], step
+        (tensor([0.9000, 0.9000, 0.9000, 0.9000]), tensor([0.8984, 0.8984, 0.8984, 0.8984], dtype=torch.bfloat16), tensor([1.]))
     """
     _ops.fused_adam_(
         list(params),
@@ -247,6 +325,16 @@ def update_scale_(
         hysteresis: overflows tolerated before backing off (1 = back off at once).
         min_scale: floor of the scale.
         max_scale: cap of the scale.
+
+    Example::
+
+        >>> import torch
+        >>> from apex_amp import ops
+        >>> scale = torch.full((1,), 65536.0)
+        >>> growth, hysteresis = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+        >>> ops.update_scale_(scale, growth, hysteresis, torch.ones(1))   # an overflow: back off
+        >>> scale
+        tensor([32768.])
     """
     _ops.update_scale_(
         scale,
