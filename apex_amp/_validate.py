@@ -120,6 +120,26 @@ def check_no_partial_overlap(op: str, name_a: str, a: Sequence[Tensor], name_b: 
             )
 
 
+def check_disjoint_within(op: str, name: str, tensors: Sequence[Tensor]) -> None:
+    """No two entries of a list the op writes in place share memory (checks.h's check_disjoint_within):
+    an element reached through two entries would be updated twice."""
+    spans = []
+    for i, t in enumerate(tensors):
+        if t.numel() == 0 or is_fake(t) or t.device.type == "meta":
+            continue
+        begin = t.data_ptr()
+        spans.append((begin, begin + t.numel() * t.element_size(), i))
+    spans.sort()
+    for (_, previous_end, previous_index), (begin, _, index) in zip(spans, spans[1:]):
+        if begin < previous_end:
+            first, second = sorted((previous_index, index))
+            _fail(
+                op,
+                f"{name}[{first}] and {name}[{second}] share memory; the op writes every entry of {name}, "
+                "so each tensor must appear once (remove the duplicate)",
+            )
+
+
 def check_scalar_tensor(
     op: str, name: str, t: Tensor, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> None:
@@ -143,6 +163,7 @@ def validate_unscale(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Tens
     op = "unscale_"
     device = found_inf.device
     check_tensor_list(op, "grads", grads, device)
+    check_disjoint_within(op, "grads", grads)
     check_scalar_tensor(op, "found_inf", found_inf, device)
     check_scalar_tensor(op, "inv_scale", inv_scale, device)
     return device
@@ -154,6 +175,7 @@ def _validate_pairwise(
     check_same_length(op, names[0], a, names[1], b)
     check_tensor_list(op, names[0], a, device)
     check_tensor_list(op, names[1], b, device)
+    check_disjoint_within(op, names[1], b)
     check_same_numel(op, names[0], a, names[1], b)
     check_no_partial_overlap(op, names[0], a, names[1], b)
 
@@ -257,6 +279,13 @@ def validate_fused_adam(
         ("model_params", model_params),
     ):
         check_tensor_list(op, name, tensors, device)
+    for name, written in (
+        ("params", params),
+        ("exp_avgs", exp_avgs),
+        ("exp_avg_sqs", exp_avg_sqs),
+        ("model_params", model_params),
+    ):
+        check_disjoint_within(op, name, written)
     _check_adam_dtypes(params, grads, exp_avgs, exp_avg_sqs, model_params)
     for name, other in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
         check_same_numel(op, "params", params, name, other)

@@ -8,8 +8,11 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 namespace apex_amp {
 
@@ -104,6 +107,44 @@ inline void check_no_partial_overlap(
         overlap != at::MemOverlapStatus::Partial, "apex_amp.", op, ": ", name_a, "[", i,
         "] and ", name_b, "[", i, "] partially overlap in memory; pass the same tensor or "
         "separate ones");
+  }
+}
+
+// The tensors of one list that an op writes in place must not share memory:
+// an element reached through two entries would be updated twice (unscaled
+// twice, two Adam steps), and the result would depend on the backend.
+// Sorting the (contiguous) byte ranges finds any overlap in O(n log n).
+inline void check_disjoint_within(const char* op, const char* name, at::TensorList list) {
+  if (list.size() < 2) {
+    return;
+  }
+  struct Span {
+    uintptr_t begin;
+    uintptr_t end;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  spans.reserve(list.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    const at::Tensor& t = list[i];
+    if (t.numel() == 0) {
+      continue;
+    }
+    const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    spans.push_back({begin, begin + static_cast<uintptr_t>(t.numel()) * t.element_size(), i});
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.index < b.index;
+  });
+  for (size_t k = 1; k < spans.size(); ++k) {
+    const Span& previous = spans[k - 1];
+    const Span& current = spans[k];
+    TORCH_CHECK(
+        current.begin >= previous.end, "apex_amp.", op, ": ", name, "[",
+        std::min(previous.index, current.index), "] and ", name, "[",
+        std::max(previous.index, current.index),
+        "] share memory; the op writes every entry of ", name,
+        ", so each tensor must appear once (remove the duplicate)");
   }
 }
 

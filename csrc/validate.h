@@ -35,6 +35,7 @@ inline void validate_unscale(
     const at::Device& device) {
   constexpr const char* op = "unscale_";
   check_tensor_list(op, "grads", grads, device);
+  check_disjoint_within(op, "grads", grads);
   check_scalar_tensor(op, "found_inf", found_inf, device);
   check_scalar_tensor(op, "inv_scale", inv_scale, device);
 }
@@ -49,6 +50,7 @@ inline void validate_scale(
   check_same_length(op, "src", src, "dst", dst);
   check_tensor_list(op, "src", src, device);
   check_tensor_list(op, "dst", dst, device);
+  check_disjoint_within(op, "dst", dst);
   check_same_numel(op, "src", src, "dst", dst);
   check_no_partial_overlap(op, "src", src, "dst", dst);
   check_scalar_tensor(op, "scale", scale, device);
@@ -65,6 +67,7 @@ inline void validate_axpby(
   check_same_length(op, "x", x, "y", y);
   check_tensor_list(op, "x", x, device);
   check_tensor_list(op, "y", y, device);
+  check_disjoint_within(op, "y", y);
   check_same_numel(op, "x", x, "y", y);
   check_no_partial_overlap(op, "x", x, "y", y);
   check_scalar_tensor(op, "a", a, device);
@@ -154,6 +157,10 @@ inline void validate_fused_adam(
   check_tensor_list(op, "exp_avgs", exp_avgs, device);
   check_tensor_list(op, "exp_avg_sqs", exp_avg_sqs, device);
   check_tensor_list(op, "model_params", model_params, device);
+  check_disjoint_within(op, "params", params);
+  check_disjoint_within(op, "exp_avgs", exp_avgs);
+  check_disjoint_within(op, "exp_avg_sqs", exp_avg_sqs);
+  check_disjoint_within(op, "model_params", model_params);
   check_adam_dtypes(params, grads, exp_avgs, exp_avg_sqs, model_params);
   check_same_numel(op, "params", params, "grads", grads);
   check_same_numel(op, "params", params, "exp_avgs", exp_avgs);
