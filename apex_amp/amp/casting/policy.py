@@ -38,6 +38,7 @@ STATE = O1State()
 # so rule kernels see backward calls too; those keep the dtypes autograd chose.
 _graph_task_id = torch._C._current_graph_task_id
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
+_is_compiling = torch.compiler.is_compiling
 
 
 def in_backward() -> bool:
@@ -46,7 +47,11 @@ def in_backward() -> bool:
 
 def casting_enabled() -> bool:
     """True when O1 is active, this thread's autocast is on and we are not in backward."""
-    return STATE.active and _any_autocast_enabled() and _graph_task_id() == -1
+    if not (STATE.active and _any_autocast_enabled()):
+        return False
+    # torch.compile traces forward code, and cannot trace the graph-task query (an int
+    # result would break the graph at every O1-wrapped function).
+    return _is_compiling() or _graph_task_id() == -1
 
 
 @contextlib.contextmanager
