@@ -23,7 +23,9 @@ from .casting import (
     register_half_function,
     register_promote_function,
 )
+from .diagnostics import inspect, last_overflow, overflow_reports, save_histogram, underflow_report
 from .frontend import initialize, load_state_dict, loss_scale, master_params, state_dict, step_was_skipped
+from .distributed import sync_masters
 from .handle import scale_loss
 from .opt_levels import OPT_LEVELS
 
@@ -35,6 +37,7 @@ __all__ = [
     "master_params",
     "step_was_skipped",
     "loss_scale",
+    "sync_masters",
     "disable_casts",
     "register_half_function",
     "register_float_function",
@@ -43,4 +46,9 @@ __all__ = [
     "float_function",
     "promote_function",
     "OPT_LEVELS",
+    "last_overflow",
+    "overflow_reports",
+    "underflow_report",
+    "save_histogram",
+    "inspect",
 ]

@@ -9,12 +9,15 @@ import torch
 from torch import nn
 
 from . import casting
+from ._logging import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS
+from .diagnostics import overflow
+from .distributed import check_sharded_models, overflow_group
 from .handle import as_optimizer_list, find_session
 from .master_weights import attach_masters
 from .model_casting import add_cast_hooks, add_master_state_dict_hooks, cast_model_
-from .opt_levels import HALF_DTYPES, resolve_properties
+from .opt_levels import HALF_DTYPES, parse_flag, resolve_properties
 from .optimizer_state import GradState
-from .state import AmpSession, latest_session, register_session, session_for
+from .state import AmpSession, latest_session, register_models, register_session, session_for, was_initialized
 
 __all__ = ["initialize", "state_dict", "load_state_dict", "master_params", "step_was_skipped", "loss_scale"]
 
@@ -42,11 +45,39 @@ def _as_model_list(models: Any) -> list[nn.Module]:
 def _check_fp32_params(models: list[nn.Module]) -> None:
     for index, model in enumerate(models):
         for name, param in model.named_parameters():
+            if param.dtype in HALF_DTYPES and was_initialized(model):
+                raise ValueError(
+                    f"model {index} was already passed to an earlier amp.initialize call, which cast its "
+                    f"parameter {name!r} to {param.dtype}; call amp.initialize once, with every model and "
+                    "optimizer trained together (to start over, build a fresh fp32 model and optimizer)"
+                )
             if param.dtype in HALF_DTYPES:
                 raise ValueError(
                     f"parameter {name!r} of model {index} is already {param.dtype}; amp.initialize expects an "
                     "fp32 model and casts it itself. Remove the .half()/.to(dtype) call before amp.initialize"
                 )
+
+
+def _check_each_param_in_one_optimizer(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+    # amp unscales each optimizer's gradients (and makes one master per entry):
+    # a parameter listed twice would be unscaled twice or get two masters.
+    names = {}
+    for index, model in enumerate(models):
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(param, f"parameter {name!r} of model {index}")
+    owner: dict[torch.Tensor, str] = {}
+    for o_index, optimizer in enumerate(optimizers):
+        where = f"optimizers[{o_index}]" if len(optimizers) > 1 else "the optimizer"
+        for param in (p for group in optimizer.param_groups for p in group["params"]):
+            if param in owner:
+                what = names.get(param, f"a parameter of shape {tuple(param.shape)}")
+                place = "twice in the same optimizer" if owner[param] == where else f"in {owner[param]} and {where}"
+                raise ValueError(
+                    f"{what} appears {place} (a weight shared between models?); amp checks and unscales "
+                    "each optimizer's gradients once per parameter, so list every parameter once in one "
+                    "optimizer, e.g. build it from nn.ModuleList([model_a, model_b]).parameters()"
+                )
+            owner[param] = where
 
 
 def _device_of(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> torch.device:
@@ -81,6 +112,10 @@ def initialize(
     allow_banned: bool = False,
     scale_window: int = 2000,
     hysteresis: int = 1,
+    sync_overflow: Any = None,
+    overflow_report: bool = False,
+    collapse_warn_steps: Optional[int] = DEFAULT_COLLAPSE_WARN_STEPS,
+    collapse_raise_steps: Optional[int] = DEFAULT_COLLAPSE_RAISE_STEPS,
 ) -> Any:
     """Prepare models and optimizers for mixed precision; returns the same objects.
 
@@ -97,7 +132,7 @@ def initialize(
         cast_model_outputs: dtype the model's floating outputs are cast to.
         num_losses: number of losses, each with its own scaler (``loss_id`` in ``scale_loss``).
         verbosity: 0 silences amp's log messages; >= 1 logs the chosen properties once.
-        min_loss_scale: floor of a dynamic scale (default 1.0).
+        min_loss_scale: floor of a dynamic scale (default 1.0); a normal float32 (not 0, not a denormal).
         max_loss_scale: cap of a dynamic scale.
         half_dtype: torch.float16 or torch.bfloat16 for every level; with bf16 the
             default scale is a static 1.0, with the gradient checks kept on.
@@ -106,6 +141,19 @@ def initialize(
         allow_banned: let O1 run functions it bans in half precision (binary_cross_entropy).
         scale_window: clean steps before a dynamic scale doubles (apex: 2000).
         hysteresis: overflows tolerated before a dynamic scale backs off (1: at once).
+        sync_overflow: True (or a ProcessGroup) MAX-reduces each pass's found-inf flag over the
+            default (or that) group, for gradients DDP does not reduce (parameters outside the
+            wrapper or ignored by it); plain DDP needs no sync. None: on only for FSDP models.
+        overflow_report: record which parameters had non-finite gradients on each overflow
+            (``amp.last_overflow()``, and DEBUG log lines); costs a host read per backward pass.
+        collapse_warn_steps: scale-collapse guard: after this many overflows in a row with the
+            scale at its floor (a dynamic scale left at ``min_loss_scale``, or any static scale),
+            log a WARNING naming the likely causes (NaN/inf in the data, a loss computed in half
+            precision, a learning rate too high); also at verbosity 0. Default 25; None: never.
+        collapse_raise_steps: after this many such overflows in a row (counted from the first,
+            >= collapse_warn_steps), the next ``scale_loss`` raises RuntimeError (that
+            overflow's step is still skipped as usual). Default 500; None: never. A clean
+            step resets the count; the guard reads the overflow log's values (no host sync).
 
     Returns:
         ``models`` (and ``optimizers`` when given) as passed in: same objects, same list shape.
@@ -135,6 +183,8 @@ def initialize(
         raise ValueError("the same optimizer appears twice in optimizers; pass each optimizer once")
     if isinstance(verbosity, bool) or not isinstance(verbosity, int):
         raise TypeError(f"verbosity must be an int, got {type(verbosity).__name__}")
+    enabled = parse_flag("enabled", enabled)
+    overflow_report = parse_flag("overflow_report", overflow_report)
 
     def result() -> Any:
         return models if optimizers is None else (models, optimizers)
@@ -150,9 +200,22 @@ def initialize(
         master_weights=master_weights, loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
         num_losses=num_losses, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
         scale_window=scale_window, hysteresis=hysteresis, skip_nonfinite=skip_nonfinite,
-        allow_banned=allow_banned,
+        allow_banned=allow_banned, collapse_warn_steps=collapse_warn_steps,
+        collapse_raise_steps=collapse_raise_steps,
     )
+    if overflow_report and not properties.check_finite:
+        raise ValueError(
+            f"overflow_report=True needs gradient checks, which {properties.opt_level} with a static loss "
+            "scale leaves off; pass skip_nonfinite=True too (or use O1/O2)"
+        )
     _check_fp32_params(model_list)
+    _check_each_param_in_one_optimizer(model_list, optimizer_list)
+    sharded_group = check_sharded_models(
+        model_list, optimizer_list, properties.opt_level,
+        casts_model=properties.cast_model_type in HALF_DTYPES, master_weights=bool(properties.master_weights),
+    )
+    # FSDP: each rank checks only its gradient shard, so the ranks must agree unless told otherwise.
+    sync_group = sharded_group if sync_overflow is None else overflow_group(sync_overflow)
     if verbosity >= 1:
         logger.info("%s", properties.describe())
 
@@ -165,6 +228,7 @@ def initialize(
             if p.dtype == torch.float32
         }
     session = AmpSession(properties, device, verbosity)
+    session.overflow_group = sync_group
     model_dtype = properties.cast_model_type
     model_is_half = model_dtype in HALF_DTYPES
     for model in model_list:
@@ -186,13 +250,28 @@ def initialize(
     elif casting.is_active():
         casting.deactivate()
     register_session(session, optimizer_list)
+    register_models(model_list)
+    if overflow_report:
+        overflow.enable(session, model_list, optimizer_list)
     return result()
+
+
+def _one_optimizer(optimizer: Any, caller: str) -> torch.optim.Optimizer:
+    optimizers = as_optimizer_list(optimizer, "optimizer")
+    if len(optimizers) != 1:
+        raise TypeError(
+            f"amp.{caller} takes one optimizer, got a list of {len(optimizers)}; call it once per optimizer"
+        )
+    return optimizers[0]
 
 
 def _session_or_latest(caller: str) -> AmpSession:
     session = latest_session()
     if session is None:
-        raise RuntimeError(f"amp.{caller} was called before amp.initialize")
+        raise RuntimeError(
+            f"amp.{caller} was called before amp.initialize; first call "
+            "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)`"
+        )
     return session
 
 
@@ -254,9 +333,10 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Paramet
         >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
         >>> optimizer.step()
     """
-    (optimizer,) = as_optimizer_list(optimizer, "optimizer")
-    session = session_for(optimizer)
-    if session is not None and session.enabled:
+    optimizer = _one_optimizer(optimizer, "master_params")
+    # Before initialize (or for another optimizer) the params would not be the masters.
+    session = find_session([optimizer], "master_params")
+    if session.enabled:
         state = session.state_of(optimizer)
         state.sync_param_groups(optimizer)
         if state.grad_state is GradState.SCALED:
@@ -281,7 +361,7 @@ def step_was_skipped(optimizer: torch.optim.Optimizer) -> bool:
         >>> if not amp.step_was_skipped(optimizer):
         ...     scheduler.step()
     """
-    (optimizer,) = as_optimizer_list(optimizer, "optimizer")
+    optimizer = _one_optimizer(optimizer, "step_was_skipped")
     session = find_session([optimizer], "step_was_skipped")
     if not session.enabled:
         return False

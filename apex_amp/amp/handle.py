@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from . import casting
+from .diagnostics import overflow
+from .distributed import agree_on_overflow, first_use_of_wrapper
 from .state import AmpSession, latest_session, session_for
 
 __all__ = ["scale_loss"]
+
+logger = logging.getLogger("apex_amp")
 
 
 def as_optimizer_list(optimizers: Any, what: str = "optimizers") -> list[torch.optim.Optimizer]:
@@ -90,7 +95,9 @@ def scale_loss(
             ``no_sync()``: those passes then keep their gradients scaled and in
             place (as ``delay_unscale=True``), so the next synchronising
             backward all-reduces the whole sum and every rank checks the same
-            gradients and takes the same skip decision.
+            gradients and takes the same skip decision. The first time a
+            wrapper is seen, rank 0's fp32 masters are broadcast (a collective;
+            see ``amp.sync_masters``).
         delay_unscale: leave the gradients scaled (accumulation over several
             backward passes with the same loss and scale); the last pass before
             ``optimizer.step()`` must use ``delay_unscale=False``. Ignored when
@@ -127,9 +134,16 @@ def scale_loss(
         )
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    if not loss.requires_grad:
+        raise RuntimeError(
+            "amp.scale_loss got a loss that does not require grad (computed under torch.no_grad(), "
+            "detached, or from frozen parameters only), so its backward cannot reach the parameters; "
+            "compute the loss from the model's outputs with autograd enabled"
+        )
     scaler = session.scalers[loss_id]
-    session.flush_logs()
+    session.flush_logs(check_collapse=True)  # raises once a loss scale has collapsed
     states = [session.state_of(optimizer) for optimizer in optimizer_list]
+    first_use_of_wrapper(model, states, session.overflow_group)  # once per wrapper: rank 0's masters
     if _skips_grad_sync(model):
         # Checking these local gradients now would let ranks disagree on the
         # skip; unscaling them would keep them out of DDP's next all-reduce.
@@ -158,6 +172,14 @@ def scale_loss(
             state.abort_backward()
         raise
 
+    if not session.warned_unreached and not any(state.has_new_grads() for state in states):
+        session.warned_unreached = True
+        logger.warning(
+            "amp.scale_loss: the backward pass produced no gradient for any parameter of the optimizer(s) "
+            "passed to it, so optimizer.step() will not change anything. The loss probably comes from a "
+            "model whose parameters these optimizers do not hold (a model created or re-created after "
+            "amp.initialize?); train the models and optimizers that amp.initialize returned"
+        )
     found_inf = torch.zeros(1, device=scaler.device)
     inv_scale = scaler.inv_scale()  # before update(): the scale these gradients carry
     checked = [
@@ -165,8 +187,10 @@ def scale_loss(
         if state.finish_backward(scaler, loss_id, inv_scale, found_inf, delay_unscale)
     ]
     if checked:
+        agree_on_overflow(found_inf, session.overflow_group)
         scaler.update(found_inf)
         for state in checked:
             state.note_found_inf(found_inf)
+        overflow.record_pass(session, found_inf, loss_id, inv_scale, optimizer_list)  # no-op unless opted in
     if session.properties.patch_torch_functions:
         casting.clear_cache()

@@ -5,25 +5,33 @@ overflow) plus a floor, a cap and an optional hysteresis; it runs on the
 device through :func:`apex_amp.ops.update_scale_`, so neither the check nor
 the update ever forces a host sync. Only :meth:`LossScaler.loss_scale` and
 :meth:`LossScaler.state_dict` read the device values, and say so.
+
+Every scale is a normal float32 (the floor is validated, the cap is float32
+max), so a backing-off scale never reaches 0 or a denormal; a scale stuck at
+its floor while overflowing is reported by the overflow log's collapse guard
+(:mod:`apex_amp.amp._logging`).
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import Tensor
 
 from .. import ops
-from ._logging import OverflowLog
+from ._logging import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS, OverflowLog
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "SMALLEST_SCALE", "LARGEST_SCALE"]
 
 GROWTH_FACTOR = 2.0
 BACKOFF_FACTOR = 0.5
+# A scale must be a normal float32: 0 or a denormal would make 1/scale inf (or lose the gradients).
+SMALLEST_SCALE = torch.finfo(torch.float32).tiny
+LARGEST_SCALE = torch.finfo(torch.float32).max
 
-_STATE_KEYS = ("loss_scale", "unskipped", "hysteresis_tracker", "dynamic", "overflows")
+# "floor_overflow_streak" (the collapse guard's count) is optional: older checkpoints lack it.
+_STATE_KEYS = ("loss_scale", "unskipped", "hysteresis_tracker", "dynamic", "overflows", "floor_overflow_streak")
 
 
 class LossScaler:
@@ -39,6 +47,9 @@ class LossScaler:
         scale_window: clean steps before the scale grows.
         hysteresis: overflows tolerated before the scale backs off (1: at once).
         log_enabled: whether overflow messages go to the log (verbosity >= 1).
+        collapse_warn_steps, collapse_raise_steps: overflows in a row with the scale at
+            its floor (any overflow of a static scale) before the collapse warning and
+            the RuntimeError (None: never); see :mod:`apex_amp.amp._logging`.
     """
 
     def __init__(
@@ -54,6 +65,8 @@ class LossScaler:
         scale_window: int = 2000,
         hysteresis: int = 1,
         log_enabled: bool = True,
+        collapse_warn_steps: Optional[int] = DEFAULT_COLLAPSE_WARN_STEPS,
+        collapse_raise_steps: Optional[int] = DEFAULT_COLLAPSE_RAISE_STEPS,
     ) -> None:
         self.loss_id = loss_id
         self.device = torch.device(device)
@@ -75,7 +88,10 @@ class LossScaler:
         # Host count of update() calls: gradients accumulated under one value of
         # it were all scaled by the same scale.
         self.updates = 0
-        self.log = OverflowLog(loss_id, enabled=log_enabled)
+        self.log = OverflowLog(
+            loss_id, enabled=log_enabled, floor=min_scale,
+            warn_steps=collapse_warn_steps, raise_steps=collapse_raise_steps,
+        )
 
     # The scale that multiplies the loss, as a 0-dim device tensor (no sync).
     def scale_for_loss(self) -> Tensor:
@@ -127,6 +143,7 @@ class LossScaler:
             "hysteresis_tracker": int(self.hysteresis_tracker.item()),
             "dynamic": self.dynamic,
             "overflows": int(self.overflows.item()),
+            "floor_overflow_streak": self.log.floor_streak,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -147,17 +164,25 @@ class LossScaler:
                 f"{'dynamic' if self.dynamic else 'static'}; initialize with the same opt_level and loss_scale"
             )
         scale = state["loss_scale"]
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"amp state {name!r}: loss_scale must be a positive finite number, got {scale!r}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+            SMALLEST_SCALE <= scale <= LARGEST_SCALE
+        ):
+            raise ValueError(
+                f"amp state {name!r}: loss_scale must be a positive finite number, got {scale!r} (a normal "
+                f"float32 value, in [{SMALLEST_SCALE:g}, {LARGEST_SCALE:g}]); the checkpoint is corrupted"
+            )
         counters = {key: state.get(key, default) for key, default in
-                    (("unskipped", 0), ("hysteresis_tracker", self.hysteresis), ("overflows", 0))}
+                    (("unskipped", 0), ("hysteresis_tracker", self.hysteresis), ("overflows", 0),
+                     ("floor_overflow_streak", 0))}
         for key, value in counters.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"amp state {name!r}: {key} must be an integer >= 0, got {value!r}")
+        self.log.flush(block=True)  # records of the steps before the load must not count after it
         self.scale.fill_(float(scale))
         self.growth_tracker.fill_(counters["unskipped"])
         self.hysteresis_tracker.fill_(counters["hysteresis_tracker"])
         self.overflows.fill_(counters["overflows"])
+        self.log.restore_floor_streak(counters["floor_overflow_streak"])
         if not self.dynamic:
             self.static_value = float(scale)
             self._static_inv_scale.fill_(1.0 / float(scale))

@@ -25,6 +25,9 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ._logging import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS
+from .loss_scaler import LARGEST_SCALE, SMALLEST_SCALE
+
 __all__ = ["OPT_LEVELS", "AmpProperties", "resolve_properties"]
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
@@ -67,6 +70,9 @@ class AmpProperties:
     hysteresis: int
     num_losses: int
     allow_banned: bool
+    # Scale-collapse guard: overflows in a row at the floor before a warning / a RuntimeError.
+    collapse_warn_steps: Optional[int] = DEFAULT_COLLAPSE_WARN_STEPS
+    collapse_raise_steps: Optional[int] = DEFAULT_COLLAPSE_RAISE_STEPS
 
     def describe(self) -> str:
         scale = f"dynamic (initial {self.loss_scale})" if self.dynamic_loss_scale else str(self.loss_scale)
@@ -105,16 +111,60 @@ def _parse_bool_or_none(name: str, value: Any) -> Optional[bool]:
     raise ValueError(f"{name} must be True, False, None or the strings 'True'/'False', got {value!r}")
 
 
+def parse_flag(name: str, value: Any) -> bool:
+    """A boolean option: True/False (or apex's strings 'True'/'False'), never any truthy object."""
+    if isinstance(value, bool):
+        return value
+    if value in ("True", "False"):
+        return value == "True"
+    raise ValueError(f"{name} must be True or False (or the strings 'True'/'False'), got {value!r}")
+
+
 def _parse_loss_scale(value: Any) -> Union[str, float]:
     if value == DYNAMIC:
         return DYNAMIC
+    if isinstance(value, bool):
+        raise ValueError(f"loss_scale must be 'dynamic' or a positive number, got {value!r}")
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"loss_scale must be 'dynamic' or a positive number, got {value!r}") from None
     if not (math.isfinite(number) and number > 0):
         raise ValueError(f"loss_scale must be 'dynamic' or a positive finite number, got {value!r}")
+    if not SMALLEST_SCALE <= number <= LARGEST_SCALE:
+        raise ValueError(
+            f"loss_scale={value!r} is not a normal float32 number (in [{SMALLEST_SCALE:g}, {LARGEST_SCALE:g}]): "
+            "float32 would hold it as 0, a denormal or inf; use loss_scale='dynamic' or a power of two such as 1024"
+        )
     return number
+
+
+def _check_min_loss_scale(value: Any) -> float:
+    # The floor is the one bound a backing-off scale reaches: 0 or a denormal there would
+    # turn every scaled gradient into 0 and 1/scale into inf.
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not SMALLEST_SCALE <= number <= LARGEST_SCALE:
+        raise ValueError(
+            f"min_loss_scale must be a positive number that float32 holds as a normal value "
+            f"(>= {SMALLEST_SCALE:g}, the smallest normal float32), got {value!r}; a scale of 0, a negative "
+            "or a denormal one destroys the gradients. Leave it at the default 1.0, or for losses that "
+            "overflow even unscaled use a power of two such as 2**-14"
+        )
+    return number
+
+
+def _check_collapse_steps(warn_steps: Any, raise_steps: Any) -> None:
+    for name, value in (("collapse_warn_steps", warn_steps), ("collapse_raise_steps", raise_steps)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be None (never) or an integer >= 1, got {value!r}")
+    if warn_steps is not None and raise_steps is not None and raise_steps < warn_steps:
+        raise ValueError(
+            f"collapse_raise_steps={raise_steps} is below collapse_warn_steps={warn_steps}: the warning "
+            "comes first; pass collapse_raise_steps >= collapse_warn_steps (or None)"
+        )
 
 
 def _check_dtype(name: str, value: Any, allowed: tuple) -> None:
@@ -140,9 +190,13 @@ def resolve_properties(
     hysteresis: Any = 1,
     skip_nonfinite: bool = False,
     allow_banned: bool = False,
+    collapse_warn_steps: Any = DEFAULT_COLLAPSE_WARN_STEPS,
+    collapse_raise_steps: Any = DEFAULT_COLLAPSE_RAISE_STEPS,
 ) -> AmpProperties:
     """Apply the user's overrides to the level's defaults, rejecting nonsense with the reason."""
     level = _check_opt_level(opt_level)
+    skip_nonfinite = parse_flag("skip_nonfinite", skip_nonfinite)
+    allow_banned = parse_flag("allow_banned", allow_banned)
     if half_dtype not in HALF_DTYPES:
         raise ValueError(f"half_dtype must be torch.float16 or torch.bfloat16, got {half_dtype!r}")
     table = dict(_TABLE[level])
@@ -209,7 +263,7 @@ def resolve_properties(
     dynamic = chosen == DYNAMIC
     if min_loss_scale is None:
         min_loss_scale = 1.0
-    min_scale, max_scale = float(min_loss_scale), float(max_loss_scale)
+    min_scale, max_scale = _check_min_loss_scale(min_loss_scale), float(max_loss_scale)
     if not (0 < min_scale <= max_scale <= torch.finfo(torch.float32).max):
         raise ValueError(
             f"need 0 < min_loss_scale <= max_loss_scale <= float32 max, got {min_loss_scale!r} and {max_loss_scale!r}"
@@ -220,6 +274,7 @@ def resolve_properties(
     for name, value in (("num_losses", num_losses), ("scale_window", scale_window), ("hysteresis", hysteresis)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    _check_collapse_steps(collapse_warn_steps, collapse_raise_steps)
     _check_dtype("cast_model_outputs", cast_model_outputs, MODEL_DTYPES)
 
     return AmpProperties(
@@ -239,4 +294,6 @@ def resolve_properties(
         hysteresis=hysteresis,
         num_losses=num_losses,
         allow_banned=bool(allow_banned),
+        collapse_warn_steps=collapse_warn_steps,
+        collapse_raise_steps=collapse_raise_steps,
     )

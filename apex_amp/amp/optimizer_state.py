@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from .distributed import agree_on_overflow, check_masters_match_model
 from .master_weights import MasterLink, attach_masters
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class OptimizerAmpState:
         self._stash: list[Optional[Tensor]] = []
         self._hidden_grads: list[tuple[Tensor, Tensor]] = []
         self._casts_disabled: Any = None
+        self._masters_checked = False  # once, at the first step of a distributed run
         self._add_links(links)
         self._refresh_params(optimizer)
         self.handles = [
@@ -143,6 +145,14 @@ class OptimizerAmpState:
                 "per accumulated step"
             )
 
+    def has_new_grads(self) -> bool:
+        """Whether the backward since ``prepare_backward`` reached a parameter of this optimizer."""
+        if self._continuing_delayed:
+            return True  # accumulated in place: new and old gradients are indistinguishable
+        return any(p.grad is not None for p in self.direct_params) or any(
+            link.model_param.grad is not None for link in self.links
+        )
+
     def abort_backward(self) -> None:
         """The user's block raised: drop the partial new gradients, put the stashed ones back."""
         if not self._continuing_delayed:
@@ -209,7 +219,7 @@ class OptimizerAmpState:
             elif check:
                 mt.check_finite(fresh, found_inf)  # read-only: half the traffic of an unscale by 1
         if new:
-            mt.axpby_(new, old_acc, inv_scale, 1.0, found_inf)
+            self._accumulate(new, old_acc, inv_scale, found_inf, check)
         # Masters: half model grads -> fp32 master grads (written, or accumulated).
         src, dst, new, old_acc = [], [], [], []
         for link in self.links:
@@ -227,7 +237,20 @@ class OptimizerAmpState:
         if src:
             mt.scale_(src, dst, inv_scale, found_inf)
         if new:
+            self._accumulate(new, old_acc, inv_scale, found_inf, check)
+
+    def _accumulate(self, new: list, old_acc: list, inv_scale: Tensor, found_inf: Tensor, check: bool) -> None:
+        # old_acc += inv_scale * new. found_inf belongs to this pass's loss (it backs off that loss's
+        # scale and skips all of its optimizers), so only the new gradients may set it: stashed ones
+        # were flagged by their own pass, and axpby_'s flag also covers the sum. The sum's flag
+        # still skips this optimizer's step.
+        if not check:
             mt.axpby_(new, old_acc, inv_scale, 1.0, found_inf)
+            return
+        mt.check_finite(new, found_inf)
+        sum_found_inf = torch.zeros(1, device=found_inf.device)
+        mt.axpby_(new, old_acc, inv_scale, 1.0, sum_found_inf)
+        self.note_found_inf(sum_found_inf)
 
     def unscale_pending(self) -> None:
         # SCALED/DELAYED gradients -> UNSCALED, before another backward adds to them.
@@ -240,6 +263,7 @@ class OptimizerAmpState:
         if self.grad_state is GradState.DELAYED:
             # These passes were never checked: their loss's scaler sees them now.
             loss_id = self.delayed_key[0]
+            agree_on_overflow(scratch, self.session.overflow_group)
             self.session.scalers[loss_id].update(scratch)
             self.note_found_inf(scratch)
         self.grad_state = GradState.UNSCALED
@@ -272,6 +296,9 @@ class OptimizerAmpState:
             )
         self._recover_from_interrupted_step()
         self.sync_param_groups(optimizer)
+        if not self._masters_checked:
+            self._masters_checked = True
+            check_masters_match_model(self.links)  # DDP may have broadcast other weights into the model
         self.session.flush_logs()
         if self.session.properties.patch_torch_functions:
             from . import casting

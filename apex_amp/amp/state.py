@@ -9,6 +9,7 @@ the most recent session. Both are written only by ``initialize``.
 
 from __future__ import annotations
 
+import re
 import weakref
 from typing import Any, Iterable, Mapping, Optional
 
@@ -21,10 +22,12 @@ from .master_weights import MasterLink
 from .optimizer_state import OptimizerAmpState
 from .opt_levels import AmpProperties
 
-__all__ = ["AmpSession", "session_for", "latest_session", "register_session"]
+__all__ = ["AmpSession", "session_for", "latest_session", "register_session", "register_models", "was_initialized"]
 
 _SESSION_OF_OPTIMIZER: "weakref.WeakKeyDictionary[torch.optim.Optimizer, AmpSession]" = weakref.WeakKeyDictionary()
 _LATEST: Optional["AmpSession"] = None
+# Models an enabled initialize has prepared (cast, hooked): only for clearer errors.
+_INITIALIZED_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 class AmpSession:
@@ -35,7 +38,10 @@ class AmpSession:
         self.enabled = properties is not None
         self.device = torch.device(device)
         self.verbosity = verbosity
+        # Process group whose ranks must agree on every skip (initialize's sync_overflow; distributed.py).
+        self.overflow_group: Any = None
         self.one = torch.ones(1, device=self.device)
+        self.warned_unreached = False  # the "backward reached no parameter" warning is logged once
         self.scalers: list[LossScaler] = []
         if properties is not None:
             self.scalers = [
@@ -50,6 +56,8 @@ class AmpSession:
                     scale_window=properties.scale_window,
                     hysteresis=properties.hysteresis,
                     log_enabled=verbosity >= 1,
+                    collapse_warn_steps=properties.collapse_warn_steps,
+                    collapse_raise_steps=properties.collapse_raise_steps,
                 )
                 for loss_id in range(properties.num_losses)
             ]
@@ -73,9 +81,12 @@ class AmpSession:
     def state_of(self, optimizer: torch.optim.Optimizer) -> OptimizerAmpState:
         return self.optimizer_states[optimizer]
 
-    def flush_logs(self, block: bool = False) -> None:
+    def flush_logs(self, block: bool = False, check_collapse: bool = False) -> None:
         for scaler in self.scalers:
             scaler.log.flush(block=block)
+        if check_collapse:  # only where nothing is half-done: the start of scale_loss
+            for scaler in self.scalers:
+                scaler.log.raise_if_collapsed()
 
     # ---- checkpoints ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -96,12 +107,24 @@ class AmpSession:
             return
         expected = {f"loss_scaler{i}" for i in range(len(self.scalers))}
         given = set(state_dict) - {"amp_config"}
+        foreign = sorted(str(key) for key in given if not re.fullmatch(r"loss_scaler\d+", str(key)))
+        if foreign:
+            raise ValueError(
+                f"amp.load_state_dict got keys {foreign}, which amp.state_dict() never writes (it writes "
+                f"{sorted(expected)} and 'amp_config'); pass the amp part of the checkpoint, e.g. "
+                "amp.load_state_dict(checkpoint['amp']), not the whole checkpoint"
+            )
         if given != expected:
             raise ValueError(
                 f"amp state has loss scalers {sorted(given)} but this run has {sorted(expected)} "
                 f"(num_losses={len(self.scalers)}); initialize with the num_losses the checkpoint was saved with"
             )
         config = state_dict.get("amp_config")
+        if config is not None and not isinstance(config, Mapping):
+            raise TypeError(
+                f"amp state 'amp_config' must be a dict, got {type(config).__name__}; "
+                "was the checkpoint saved by amp.state_dict()?"
+            )
         if config is not None:
             mine = {"opt_level": self.properties.opt_level, "half_dtype": str(self.properties.half_dtype)}
             for key, value in mine.items():
@@ -130,6 +153,14 @@ def register_session(session: AmpSession, optimizers: Iterable[torch.optim.Optim
     for optimizer in optimizers:
         _SESSION_OF_OPTIMIZER[optimizer] = session
     _LATEST = session
+
+
+def register_models(models: Iterable[torch.nn.Module]) -> None:
+    _INITIALIZED_MODELS.update(models)
+
+
+def was_initialized(model: torch.nn.Module) -> bool:
+    return model in _INITIALIZED_MODELS
 
 
 def session_for(optimizer: torch.optim.Optimizer) -> Optional[AmpSession]:

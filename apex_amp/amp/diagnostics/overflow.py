@@ -1,0 +1,223 @@
+"""Overflow reports: which parameters had non-finite gradients when a step overflowed.
+
+Opt in with ``amp.initialize(..., overflow_report=True)``. Without it nothing
+here runs: ``scale_loss`` makes one dictionary lookup per backward pass and no
+tensor op or host sync. With it, every checked backward pass reads its overflow
+flag on the host (one sync per pass on CUDA); only when the flag is set are the
+inf and NaN values of each gradient counted (one more sync), and the report is
+kept (``amp.last_overflow``) and logged at DEBUG level on the ``"apex_amp"`` logger.
+
+Reported are the passes ``scale_loss`` checks on exit, which includes the
+last pass of a ``delay_unscale=True`` accumulation (it checks the whole sum).
+
+Parameter names are the models' ``named_parameters()`` names as
+``initialize`` saw them (prefixed ``model{i}.`` when several models were
+passed); under O2 an fp32 master is reported under its model parameter's name.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import weakref
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from ..state import AmpSession
+
+__all__ = ["NonFiniteGrad", "OverflowReport", "last_overflow", "overflow_reports"]
+
+logger = logging.getLogger("apex_amp")
+
+HISTORY = 64  # reports kept per session; older ones are dropped
+
+# session -> its recorder; a session without one has reports off.
+_RECORDERS: "weakref.WeakKeyDictionary[AmpSession, OverflowRecorder]" = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteGrad:
+    """One parameter whose gradient held inf or NaN values."""
+
+    name: str
+    inf: int
+    nan: int
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowReport:
+    """One overflowing backward pass.
+
+    Attributes:
+        step: index of the optimizer step this overflow skips (0 for the first
+            ``optimizer.step()`` of the run).
+        loss_id: the loss scaler whose backward pass overflowed.
+        loss_scale: the scale the gradients carried.
+        params: the parameters with non-finite gradients, in optimizer order.
+            Empty when the flag came from another rank (``sync_overflow``).
+    """
+
+    step: int
+    loss_id: int
+    loss_scale: float
+    params: tuple[NonFiniteGrad, ...]
+
+    @property
+    def names(self) -> list[str]:
+        """The names of the parameters with non-finite gradients."""
+        return [param.name for param in self.params]
+
+    def __str__(self) -> str:
+        head = f"overflow at step {self.step}, loss scaler {self.loss_id}, loss scale {self.loss_scale:g}"
+        if not self.params:
+            return head + ": no local gradient is non-finite (the flag came from another rank)"
+        lines = [head + f": {len(self.params)} parameter(s) with non-finite gradients"]
+        width = max(len(param.name) for param in self.params)
+        for param in self.params:
+            lines.append(f"  {param.name:<{width}}  inf {param.inf:>8}  nan {param.nan:>8}  of {param.numel}")
+        return "\n".join(lines)
+
+
+class OverflowRecorder:
+    """Names of the parameters, optimizer step counts and the reports of one session."""
+
+    def __init__(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.names = WeakIdKeyDictionary()
+        for index, model in enumerate(models):
+            prefix = f"model{index}." if len(models) > 1 else ""
+            for name, param in model.named_parameters(remove_duplicate=False):
+                self.names.setdefault(param, prefix + name)
+        self.steps: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+        for optimizer in optimizers:
+            self.steps[optimizer] = 0
+            optimizer.register_step_post_hook(self._count_step)
+        self.reports: collections.deque[OverflowReport] = collections.deque(maxlen=HISTORY)
+
+    def _count_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self.steps[optimizer] = self.steps.get(optimizer, 0) + 1
+
+    def _grads(self, session: "AmpSession", optimizer: torch.optim.Optimizer) -> list[tuple[str, Tensor]]:
+        # The gradients the step would consume: a master's (O2, unscaled), or its
+        # half model parameter's (left scaled for a fused step); inf and NaN survive both.
+        model_param_of = session.state_of(optimizer).model_param_of
+        found = []
+        for g_index, group in enumerate(optimizer.param_groups):
+            for p_index, param in enumerate(group["params"]):
+                named = model_param_of.get(param, param)
+                grad = param.grad if param.grad is not None else named.grad
+                if grad is None:
+                    continue
+                name = self.names.get(named)
+                if name is None:
+                    name = f"param_groups[{g_index}]['params'][{p_index}]"
+                found.append((name, grad))
+        return found
+
+    def record(
+        self,
+        session: "AmpSession",
+        found_inf: Tensor,
+        loss_id: int,
+        inv_scale: Tensor,
+        optimizers: Sequence[torch.optim.Optimizer],
+    ) -> None:
+        if not bool(found_inf.item()):  # the opt-in host read
+            return
+        grads = [item for optimizer in optimizers for item in self._grads(session, optimizer)]
+        params: list[NonFiniteGrad] = []
+        if grads:
+            device = found_inf.device
+            counts = torch.stack([
+                torch.stack((torch.isinf(grad).sum(), torch.isnan(grad).sum())).to(device) for _, grad in grads
+            ]).tolist()
+            params = [
+                NonFiniteGrad(name, int(inf), int(nan), grad.numel())
+                for (name, grad), (inf, nan) in zip(grads, counts) if inf or nan
+            ]
+        report = OverflowReport(
+            step=self.steps.get(optimizers[0], 0),
+            loss_id=loss_id,
+            loss_scale=1.0 / float(inv_scale.reshape(-1)[0].item()),
+            params=tuple(params),
+        )
+        self.reports.append(report)
+        logger.debug("%s", report)
+
+
+def enable(session: "AmpSession", models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Turn overflow reports on for ``session`` (called by ``amp.initialize(..., overflow_report=True)``)."""
+    _RECORDERS[session] = OverflowRecorder(models, optimizers)
+
+
+def record_pass(
+    session: "AmpSession",
+    found_inf: Tensor,
+    loss_id: int,
+    inv_scale: Tensor,
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> None:
+    """Called by ``scale_loss`` after each checked pass: nothing at all unless reports are on."""
+    recorder = _RECORDERS.get(session)
+    if recorder is not None:
+        recorder.record(session, found_inf, loss_id, inv_scale, optimizers)
+
+
+def _recorder(optimizer: Optional[torch.optim.Optimizer], caller: str) -> OverflowRecorder:
+    from ..state import latest_session, session_for
+
+    session = latest_session() if optimizer is None else session_for(optimizer)
+    if session is None:
+        what = ("amp.initialize was never called" if optimizer is None
+                else "this optimizer was never passed to amp.initialize")
+        raise RuntimeError(f"amp.{caller}: {what}; call amp.initialize(model, optimizer, overflow_report=True) first")
+    recorder = _RECORDERS.get(session)
+    if recorder is None:
+        raise RuntimeError(
+            f"amp.{caller}: overflow reports are off (they cost a host read per backward pass); "
+            "turn them on with amp.initialize(model, optimizer, ..., overflow_report=True)"
+        )
+    return recorder
+
+
+def last_overflow(optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[OverflowReport]:
+    """The report of the most recent overflowing backward pass, or None if there was none.
+
+    Needs ``amp.initialize(..., overflow_report=True)``; raises ``RuntimeError``
+    saying so otherwise.
+
+    Args:
+        optimizer: an optimizer passed to ``amp.initialize``, to pick its
+            session; default: the latest ``initialize`` call.
+
+    Example::
+
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O1", overflow_report=True)
+        >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...     scaled_loss.backward()
+        >>> optimizer.step()
+        >>> report = amp.last_overflow()
+        >>> if report is not None:
+        ...     print(report.names)   # e.g. ['encoder.0.weight']
+    """
+    reports = _recorder(optimizer, "last_overflow").reports
+    return reports[-1] if reports else None
+
+
+def overflow_reports(optimizer: Optional[torch.optim.Optimizer] = None) -> list[OverflowReport]:
+    """The reports of the last overflowing backward passes (up to 64), oldest first.
+
+    Args:
+        optimizer: an optimizer passed to ``amp.initialize``; default: the latest session.
+
+    Example::
+
+        >>> for report in amp.overflow_reports():
+        ...     print(report.step, report.names)
+    """
+    return list(_recorder(optimizer, "overflow_reports").reports)

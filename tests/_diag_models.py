@@ -1,0 +1,22 @@
+"""Models for the ``python -m apex_amp inspect`` tests (imported by name in a subprocess)."""
+
+from torch import nn
+
+
+def misaligned() -> nn.Module:
+    """A small CNN with a deliberately misaligned Linear(30, 64) and Conv2d(3, 20, 3)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 20, 3),
+        nn.BatchNorm2d(20),
+        nn.Flatten(),
+        nn.Linear(30, 64),
+        nn.LayerNorm(64),
+    )
+
+
+ALIGNED = nn.Linear(64, 32)  # an instance, not a factory
+NOT_A_MODEL = 42
+
+
+def returns_a_number() -> int:
+    return 7
