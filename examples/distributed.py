@@ -3,12 +3,15 @@
     torchrun --nproc_per_node=2 examples/distributed.py                      # O2, bf16, FusedAdam
     torchrun --nproc_per_node=2 examples/distributed.py --opt-level O1 --steps 50
     torchrun --nproc_per_node=2 examples/distributed.py --accumulate 4 --inject-overflow 1:3
+    torchrun --nproc_per_node=2 examples/distributed.py --unwrapped-head --sync-overflow --inject-overflow 1:3
+    torchrun --nproc_per_node=2 examples/distributed.py --loss-scale dynamic --save-at 10 --checkpoint ckpt.pt
+    torchrun --nproc_per_node=2 examples/distributed.py --loss-scale dynamic --resume ckpt.pt
+    torchrun --nproc_per_node=2 examples/distributed.py --fsdp --opt-level O1 --inject-overflow 1:3
 
 The order is ``amp.initialize`` first, then ``DistributedDataParallel`` around
-the model it returns. Every rank builds the same seeded model (the fp32 master
-weights are made by ``initialize`` before DDP broadcasts rank 0's weights, so
-the ranks must start equal) and trains on its own shard of a generated,
-seeded data set. The backend is gloo on CPU and NCCL when CUDA is available.
+the model it returns. Every rank builds the same seeded model and trains on
+its own shard of a generated, seeded data set. The backend is gloo on CPU and
+NCCL when CUDA is available.
 
 With ``--accumulate K`` each optimizer step runs K micro-batches, the first
 K-1 under ``ddp.no_sync()``; ``model=ddp`` is passed to ``amp.scale_loss`` so
@@ -17,6 +20,34 @@ pass all-reduces them, and every rank then takes the same skip decision.
 ``--inject-overflow RANK:STEP`` multiplies the first micro-batch loss of that
 step by inf on that rank only (``--no-model-arg`` drops ``model=ddp`` to show
 the ranks drifting apart without it).
+
+``--unwrapped-head`` adds a second model outside the DDP wrapper (a linear
+head on its own optimizer, as a loss module with parameters would be), whose
+gradients the script all-reduces itself after ``scale_loss``; the injected
+overflow then reaches the head of one rank only. Each rank checks its own
+head gradients, so without ``--sync-overflow`` (``amp.initialize(...,
+sync_overflow=True)``, a MAX all-reduce of the found-inf flag) the ranks take
+different skip decisions and drift apart.
+
+``--unequal-init`` seeds each rank's model differently: DDP broadcasts rank
+0's weights, and ``scale_loss(model=ddp)`` broadcasts rank 0's fp32 masters
+(made by ``initialize`` from each rank's own weights) the first time it sees
+the wrapper. With ``--no-model-arg`` as well, the first ``optimizer.step()``
+raises instead (call ``amp.sync_masters(ddp, optimizer)`` in such a script).
+
+``--fsdp`` wraps the model in ``FullyShardedDataParallel(use_orig_params=True)``
+instead (O0/O1; other levels raise), builds the optimizer over the sharded
+parameters and compares the gathered full weights and optimizer state. Each
+rank checks its own gradient shard, so amp synchronises found-inf by itself;
+the injected overflow reaches the last bias only, which lies in one shard
+(``--no-sync-overflow`` turns the sync off to show the ranks disagree).
+
+Checkpoints: ``--save-at STEP --checkpoint PATH`` makes rank 0 save the
+model, optimizer and ``amp.state_dict()`` after STEP steps (training goes
+on); ``--resume PATH`` loads them on every rank (after ``amp.initialize``,
+before DDP) and trains from that step to ``--steps``. ``--state-out PATH``
+makes rank 0 save its final state and per-step losses, so two runs can be
+compared bit for bit.
 
 At the end every rank compares its master weights (``amp.master_params``),
 model weights and buffers, optimizer state, amp state (loss scale and
@@ -28,10 +59,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import os
 import sys
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,7 +91,29 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="multiply the first micro-batch loss of STEP by inf on RANK only")
     parser.add_argument("--no-model-arg", action="store_true",
                         help="do not pass model=ddp to amp.scale_loss (no_sync passes then diverge)")
+    parser.add_argument("--loss-scale", default=None, help="'dynamic' or a number (amp's default otherwise)")
+    parser.add_argument("--scale-window", type=int, default=2000, help="clean steps before a dynamic scale grows")
+    parser.add_argument("--unwrapped-head", action="store_true",
+                        help="a second model outside DDP whose gradients the script all-reduces itself")
+    parser.add_argument("--sync-overflow", action="store_true", help="amp.initialize(..., sync_overflow=True)")
+    parser.add_argument("--unequal-init", action="store_true", help="seed each rank's model differently")
+    parser.add_argument("--save-at", type=int, default=None, metavar="STEP",
+                        help="rank 0 saves a checkpoint to --checkpoint after STEP steps")
+    parser.add_argument("--checkpoint", default=None, metavar="PATH")
+    parser.add_argument("--resume", default=None, metavar="PATH", help="load this checkpoint on every rank")
+    parser.add_argument("--state-out", default=None, metavar="PATH",
+                        help="rank 0 saves its final state and per-step losses here (torch.save)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="FullyShardedDataParallel(use_orig_params=True) instead of DDP (O0/O1 only)")
+    parser.add_argument("--no-sync-overflow", action="store_true",
+                        help="amp.initialize(..., sync_overflow=False): turn off FSDP's automatic sync")
     args = parser.parse_args(argv)
+    if args.fsdp and (args.unwrapped_head or args.accumulate > 1 or args.resume or args.save_at is not None):
+        parser.error("--fsdp trains one model without accumulation or checkpoints")
+    if (args.save_at is None) != (args.checkpoint is None):
+        parser.error("--save-at and --checkpoint go together")
+    if args.save_at is not None and not 1 <= args.save_at <= args.steps:
+        parser.error("--save-at must be in [1, --steps]")
     if args.steps < 1 or args.accumulate < 1:
         parser.error("--steps and --accumulate must be >= 1")
     args.overflow_at = None
@@ -81,45 +135,159 @@ def make_shard(rank: int, world_size: int, num_samples: int, seed: int, device: 
     return x[rank::world_size].to(device), y[rank::world_size].to(device)
 
 
-def make_model(hidden: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(NUM_FEATURES, hidden), nn.LayerNorm(hidden), nn.ReLU(),
-                         nn.Linear(hidden, NUM_CLASSES))
+@dataclasses.dataclass
+class Job:
+    """What this rank trains: the DDP-wrapped model and, with --unwrapped-head, a head outside DDP."""
+
+    ddp: nn.Module
+    optimizer: torch.optim.Optimizer
+    head: Optional[nn.Module] = None
+    head_optimizer: Optional[torch.optim.Optimizer] = None
+
+    @property
+    def models(self) -> list[nn.Module]:
+        return [self.ddp.module] + ([self.head] if self.head is not None else [])
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer] + ([self.head_optimizer] if self.head_optimizer is not None else [])
 
 
-def train(args, ddp: nn.Module, optimizer, x: Tensor, y: Tensor, rank: int) -> tuple[list[bool], float]:
-    skipped, loss_value = [], float("nan")
-    for step in range(args.steps):
-        optimizer.zero_grad(set_to_none=True)
+def make_models(hidden: int, unwrapped_head: bool) -> tuple[nn.Module, Optional[nn.Module]]:
+    body = [nn.Linear(NUM_FEATURES, hidden), nn.LayerNorm(hidden), nn.ReLU()]
+    head = nn.Linear(hidden, NUM_CLASSES)
+    if unwrapped_head:
+        return nn.Sequential(*body), head
+    return nn.Sequential(*body, head), None
+
+
+def make_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
+    if args.optimizer == "FusedAdam":
+        return FusedAdam(model.parameters(), lr=args.lr)
+    return torch.optim.SGD(model.parameters(), lr=args.lr * 10, momentum=0.9)
+
+
+def average_head_grads(head_optimizer: torch.optim.Optimizer) -> None:
+    # DDP does not reduce the head's gradients: average them here, after amp checked and unscaled
+    # them. Each rank checked only its own, hence sync_overflow for one skip decision.
+    for param in amp.master_params(head_optimizer):
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad.div_(dist.get_world_size())
+
+
+def train(args, job: Job, x: Tensor, y: Tensor, rank: int, start_step: int) -> tuple[list[bool], list[float]]:
+    skipped, losses = [], []
+    model_arg = None if args.no_model_arg else job.ddp
+    for step in range(start_step, args.steps):
+        for optimizer in job.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         for micro in range(args.accumulate):
             start = ((step * args.accumulate + micro) * args.batch_size) % (len(x) - args.batch_size + 1)
             xb, yb = x[start:start + args.batch_size], y[start:start + args.batch_size]
             synced = micro == args.accumulate - 1
-            with contextlib.nullcontext() if synced else ddp.no_sync():
-                loss = nn.functional.cross_entropy(ddp(xb), yb)
-                if args.overflow_at == (rank, step) and micro == 0:
-                    loss = loss * float("inf")
-                model_arg = None if args.no_model_arg else ddp
-                with amp.scale_loss(loss / args.accumulate, optimizer, model=model_arg) as scaled_loss:
+            inject = args.overflow_at == (rank, step) and micro == 0
+            with contextlib.nullcontext() if synced else job.ddp.no_sync():
+                last_bias = capture_last_bias(job.ddp) if inject and args.fsdp else contextlib.nullcontext([])
+                with last_bias as biases:
+                    features = job.ddp(xb)
+                logits = job.head(features) if job.head is not None else features
+                loss = nn.functional.cross_entropy(logits, yb)
+                if inject:
+                    if args.fsdp:  # into the last bias only, which lies in one rank's gradient shard
+                        loss = loss + biases[0].float().sum() * float("inf")
+                    elif job.head is None:
+                        loss = loss * float("inf")
+                    else:  # an extra term on this rank only, reaching the head's gradients only
+                        loss = loss + job.head.weight.float().sum() * float("inf")
+                with amp.scale_loss(loss / args.accumulate, job.optimizers, model=model_arg) as scaled_loss:
                     scaled_loss.backward()
-        optimizer.step()
-        skipped.append(amp.step_was_skipped(optimizer))  # one host read per step: fine for an example
-        loss_value = loss.item()
-    return skipped, loss_value
+        if job.head_optimizer is not None:
+            average_head_grads(job.head_optimizer)
+        for optimizer in job.optimizers:
+            optimizer.step()
+        skipped.append(amp.step_was_skipped(job.optimizer))  # one host read per step: fine for an example
+        losses.append(loss.item())
+        if args.save_at == step + 1:
+            save_checkpoint(args.checkpoint, job, steps_done=step + 1)
+    return skipped, losses
 
 
-def named_state(ddp: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, Tensor]]:
-    for index, param in enumerate(amp.master_params(optimizer)):
-        yield f"master[{index}]", param.detach()
-    for name, tensor in ddp.module.state_dict(keep_vars=True).items():
-        yield f"model state_dict {name}", tensor.detach()
-    for name, param in ddp.module.named_parameters():
-        yield f"model param {name}", param.detach()  # the half weights under O2 (state_dict holds masters)
-    for index, state in sorted(optimizer.state_dict()["state"].items()):
-        for key, value in sorted(state.items()):
-            yield f"optimizer state[{index}][{key}]", as_tensor(value)
+@contextlib.contextmanager
+def capture_last_bias(fsdp: nn.Module) -> Iterator[list[Tensor]]:
+    # The last layer's bias as its forward sees it (FSDP's unsharded view, part of the graph).
+    captured: list[Tensor] = []
+    handle = fsdp.module[-1].register_forward_hook(lambda module, args, output: captured.append(module.bias))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def save_checkpoint(path: str, job: Job, steps_done: int) -> None:
+    # Under O2 model.state_dict() holds the fp32 masters, so the checkpoint is exact.
+    if dist.get_rank() == 0:
+        torch.save({
+            "steps_done": steps_done,
+            "models": [model.state_dict() for model in job.models],
+            "optimizers": [optimizer.state_dict() for optimizer in job.optimizers],
+            "amp": amp.state_dict(),
+        }, path)
+    dist.barrier()  # the file is complete before any rank could read it
+
+
+def load_checkpoint(path: str, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                    device: torch.device) -> int:
+    # After amp.initialize (the model's load pre-hook fills the masters, torch rounds the half
+    # weights) and before DDP (whose broadcast then finds equal weights everywhere).
+    checkpoint = torch.load(path, map_location=device, weights_only=True)
+    for model, state in zip(models, checkpoint["models"], strict=True):
+        model.load_state_dict(state)
+    for optimizer, state in zip(optimizers, checkpoint["optimizers"], strict=True):
+        optimizer.load_state_dict(state)
+    amp.load_state_dict(checkpoint["amp"])
+    return checkpoint["steps_done"]
+
+
+def named_state(job: Job) -> Iterator[tuple[str, Tensor]]:
+    if isinstance(job.ddp, nn.parallel.DistributedDataParallel):
+        yield from named_local_state(job)
+    else:
+        yield from named_fsdp_state(job)
+
+
+def named_fsdp_state(job: Job) -> Iterator[tuple[str, Tensor]]:
+    # Each rank holds shards: compare the gathered full weights and optimizer state.
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(job.ddp):
+        for name, param in job.ddp.module.named_parameters():
+            yield f"full param {name}", param.detach().clone()
+    for key, state in sorted(FSDP.optim_state_dict(job.ddp, job.optimizer)["state"].items()):
+        for name, value in sorted(state.items()):
+            yield f"full optimizer state[{key}][{name}]", as_tensor(value)
+    yield from named_amp_state()
+
+
+def named_amp_state() -> Iterator[tuple[str, Tensor]]:
     for section, entries in amp.state_dict().items():  # loss scale and counters, and amp's config
         for key, value in sorted(entries.items()):
             yield f"amp {section}.{key}", as_tensor(value)
+
+
+def named_local_state(job: Job) -> Iterator[tuple[str, Tensor]]:
+    for which, optimizer in enumerate(job.optimizers):
+        for index, param in enumerate(amp.master_params(optimizer)):
+            yield f"optimizer{which} master[{index}]", param.detach()
+        for index, state in sorted(optimizer.state_dict()["state"].items()):
+            for key, value in sorted(state.items()):
+                yield f"optimizer{which} state[{index}][{key}]", as_tensor(value)
+    for which, model in enumerate(job.models):
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            yield f"model{which} state_dict {name}", tensor.detach()
+        for name, param in model.named_parameters():
+            yield f"model{which} param {name}", param.detach()  # the half weights under O2
+    yield from named_amp_state()
 
 
 def as_tensor(value) -> Tensor:
@@ -177,21 +345,32 @@ def train_and_compare(args: argparse.Namespace, use_cuda: bool) -> bool:
     if use_cuda:
         torch.cuda.set_device(device)
 
-    torch.manual_seed(args.seed)  # the same initial weights on every rank (see the module docstring)
-    model = make_model(args.hidden).to(device)
-    if args.optimizer == "FusedAdam":
-        optimizer = FusedAdam(model.parameters(), lr=args.lr)
+    # The same initial weights on every rank, unless --unequal-init (then DDP and amp broadcast rank 0's).
+    torch.manual_seed(args.seed + (rank if args.unequal_init else 0))
+    model, head = make_models(args.hidden, args.unwrapped_head)
+    models = [model.to(device)] + ([head.to(device)] if head is not None else [])
+    if args.fsdp:  # FSDP first: the optimizer and amp then see the sharded parameters
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        models = [FSDP(model, use_orig_params=True, device_id=device)]
+    optimizers = [make_optimizer(args, m) for m in models]
+    # None: amp's default (on for FSDP, off for DDP, whose all-reduced gradients already agree).
+    sync_overflow = True if args.sync_overflow else (False if args.no_sync_overflow else None)
+    amp.initialize(models, optimizers, opt_level=args.opt_level, half_dtype=getattr(torch, args.half_dtype),
+                   loss_scale=args.loss_scale, scale_window=args.scale_window,
+                   sync_overflow=sync_overflow, verbosity=0)
+    start_step = 0 if args.resume is None else load_checkpoint(args.resume, models, optimizers, device)
+    if args.fsdp:
+        ddp = models[0]
     else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * 10, momentum=0.9)
-    model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level,
-                                      half_dtype=getattr(torch, args.half_dtype), verbosity=0)
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
+    job = Job(ddp, optimizers[0], head, optimizers[1] if head is not None else None)
 
     samples = world_size * args.batch_size * args.accumulate * 4
     x, y = make_shard(rank, world_size, samples, args.seed, device)
-    skipped, last_loss = train(args, ddp, optimizer, x, y, rank)
+    skipped, losses = train(args, job, x, y, rank, start_step)
 
-    named = list(named_state(ddp, optimizer))
+    named = list(named_state(job))
     differing = compare_with_rank0(named, device)
     skipped_per_rank = [None] * world_size
     dist.all_gather_object(skipped_per_rank, skipped)
@@ -200,12 +379,18 @@ def train_and_compare(args: argparse.Namespace, use_cuda: bool) -> bool:
     same_skips = all(s == skipped_per_rank[0] for s in skipped_per_rank)
     all_identical = same_skips and not any(differing_per_rank)
 
+    def skipped_steps(flags: list[bool]) -> list[int]:
+        return [start_step + i for i, was_skipped in enumerate(flags) if was_skipped]
+
     if rank == 0:
-        skipped_steps = [step for step, was_skipped in enumerate(skipped) if was_skipped]
+        if args.state_out is not None:
+            torch.save({"state": {name: tensor.cpu().clone() for name, tensor in named},
+                        "losses": torch.tensor(losses, dtype=torch.float64), "first_step": start_step,
+                        "skipped": skipped}, args.state_out)
         print(f"{args.opt_level} {args.half_dtype} {args.optimizer}: {world_size} ranks "
-              f"({dist.get_backend()}), {args.steps} steps x {args.accumulate} micro-batches, "
-              f"last loss on rank 0 {last_loss:.4f}, loss scale {amp.loss_scale():g}, "
-              f"skipped steps {skipped_steps}")
+              f"({dist.get_backend()}), steps {start_step}..{args.steps - 1} x {args.accumulate} micro-batches, "
+              f"last loss on rank 0 {losses[-1] if losses else float('nan'):.4f}, "
+              f"loss scale {amp.loss_scale():g}, skipped steps {skipped_steps(skipped)}")
         if all_identical:
             print(f"RESULT: all {world_size} ranks identical: {len(named)} tensors (master weights, model "
                   "weights, optimizer state, loss scale) and the skip decisions")
@@ -213,8 +398,7 @@ def train_and_compare(args: argparse.Namespace, use_cuda: bool) -> bool:
             print("RESULT: ranks differ")
             if not same_skips:
                 for other, other_skipped in enumerate(skipped_per_rank):
-                    steps = [step for step, was_skipped in enumerate(other_skipped) if was_skipped]
-                    print(f"  rank {other} skipped steps {steps}")
+                    print(f"  rank {other} skipped steps {skipped_steps(other_skipped)}")
             for other, names in enumerate(differing_per_rank):
                 if names:
                     print(f"  rank {other} differs from rank 0 in {len(names)} tensors, e.g. {names[:4]}")

@@ -1,17 +1,24 @@
-"""amp under DistributedDataParallel: 2-process runs of examples/distributed.py and no_sync accumulation.
+"""amp under DDP and FSDP: 2-process runs of examples/distributed.py, no_sync accumulation, sync options.
 
 The subprocess tests launch ``python -m torch.distributed.run --standalone
 --nproc_per_node=2`` on CPU (gloo); the example compares every rank's master
 weights, model weights, optimizer state, amp state and skipped steps with
-rank 0's bitwise and exits 1 on any difference. Each launch costs ~12 s here
-(three interpreters import torch), so only two run by default.
+rank 0's bitwise and exits 1 on any difference. Each launch costs 7-12 s here
+(three interpreters import torch), so the fast tests combine several checks
+per launch and the rest are marked slow.
 """
 
 from __future__ import annotations
 
+import ast
 import os
+import re
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -28,11 +35,51 @@ TIMEOUT_S = 180
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
-def run_example(*args: str) -> subprocess.CompletedProcess:
+def run_example(*args: str, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run the example on 2 ranks: under torchrun, or (cheaper: no third interpreter) as 2 processes
+    given the environment torchrun would set."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(EXAMPLE.parents[1]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(EXAMPLE), "--steps", "8", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    example = [str(EXAMPLE), "--steps", "8", *args]
+    if torchrun:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *example]
+        return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    with tempfile.TemporaryDirectory() as logs:
+        workers = []
+        for rank in range(2):
+            out, err = (open(Path(logs) / f"{rank}.{kind}", "w+") for kind in ("out", "err"))
+            process = subprocess.Popen([sys.executable, *example], stdout=out, stderr=err, text=True,
+                                       env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
+            workers.append((process, out, err))
+        deadline = time.monotonic() + TIMEOUT_S
+        while any(process.poll() is None for process, _, _ in workers):
+            failed = any(process.poll() not in (None, 0) for process, _, _ in workers)
+            if failed or time.monotonic() > deadline:
+                # A failed rank leaves the other waiting in a collective: stop it, as torchrun would.
+                for process, _, _ in workers:
+                    if process.poll() is None:
+                        process.kill()
+            time.sleep(0.05)
+        returncode = next((p.returncode for p, _, _ in workers if p.returncode), 0)
+        outputs = []
+        for process, out, err in workers:
+            process.wait()
+            out.seek(0), err.seek(0)
+            outputs.append((out.read(), err.read()))
+            out.close(), err.close()
+    stdout = "".join(prefix_lines(o, rank) if rank else o for rank, (o, _) in enumerate(outputs))
+    stderr = "".join(prefix_lines(e, rank) for rank, (_, e) in enumerate(outputs))
+    return subprocess.CompletedProcess(example, returncode, stdout, stderr)
+
+
+def prefix_lines(text: str, rank: int) -> str:
+    return "".join(f"[rank{rank}]: {line}\n" for line in text.splitlines())
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def assert_identical(result: subprocess.CompletedProcess) -> str:
@@ -47,22 +94,76 @@ def skipped_steps_line(stdout: str) -> str:
     return summary.rsplit("skipped steps", 1)[1].strip()
 
 
-def test_o2_bf16_no_sync_overflow_on_one_rank_is_skipped_by_both():
+def per_rank_skipped_steps(stdout: str) -> dict[int, list[int]]:
+    # "  rank R skipped steps [...]" lines, printed when the ranks disagree.
+    found = re.findall(r"^\s*rank (\d+) skipped steps (\[[\d, ]*\])$", stdout, flags=re.MULTILINE)
+    return {int(rank): ast.literal_eval(steps) for rank, steps in found}
+
+
+def test_o2_bf16_no_sync_overflow_on_one_rank_is_skipped_by_both_and_masters_follow_rank0():
     # Rank 1 alone sees inf in a no_sync pass; the synced pass all-reduces it, both ranks skip step 2.
-    stdout = assert_identical(run_example("--opt-level", "O2", "--half-dtype", "bfloat16",
-                                          "--accumulate", "3", "--inject-overflow", "1:2"))
+    # The ranks also start from different weights: DDP broadcasts rank 0's, and scale_loss(model=ddp)
+    # broadcasts rank 0's fp32 masters, which initialize had made from each rank's own weights.
+    result = run_example("--opt-level", "O2", "--half-dtype", "bfloat16", "--accumulate", "3",
+                         "--inject-overflow", "1:2", "--unequal-init")
+    stdout = assert_identical(result)
     assert skipped_steps_line(stdout) == "[2]"
+    assert "rank 1: amp's fp32 master weights differed from rank 0's" in result.stderr
+    assert "rank 0: amp's fp32 master weights differed" not in result.stderr
 
 
-def test_o1_bf16_sgd_ranks_stay_identical():
-    stdout = assert_identical(run_example("--opt-level", "O1", "--half-dtype", "bfloat16", "--optimizer", "SGD"))
-    assert skipped_steps_line(stdout) == "[]"
+@pytest.mark.slow
+def test_o1_sgd_head_outside_ddp_with_sync_overflow_skips_on_every_rank():
+    # The head's gradients are checked per rank (DDP does not reduce them); only rank 1's overflow.
+    stdout = assert_identical(run_example("--opt-level", "O1", "--half-dtype", "bfloat16", "--optimizer", "SGD",
+                                          "--unwrapped-head", "--sync-overflow", "--inject-overflow", "1:3"))
+    assert skipped_steps_line(stdout) == "[3]"
+
+
+@pytest.mark.slow
+def test_head_outside_ddp_without_sync_overflow_ranks_take_different_skips():
+    # The same run without sync_overflow: rank 1 skips step 3 alone, rank 0 then steps with the
+    # all-reduced inf gradients. Proves that the option (and the comparison) matter.
+    result = run_example("--opt-level", "O1", "--half-dtype", "bfloat16", "--optimizer", "SGD",
+                         "--unwrapped-head", "--inject-overflow", "1:3")
+    assert result.returncode != 0
+    assert "RESULT: ranks differ" in result.stdout, (result.stdout + result.stderr)[-4000:]
+    skips = per_rank_skipped_steps(result.stdout)
+    assert 3 in skips[1] and 3 not in skips[0], result.stdout
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
+
+
+def test_checkpoint_on_rank0_resume_on_two_ranks_is_bitwise_identical(tmp_path):
+    # O2 with a dynamic scale that backs off (overflow at step 2) and grows again (window 2), two
+    # optimizers (a head outside DDP, sync_overflow) and no_sync accumulation: the checkpoint after
+    # step 4 must carry the masters, both optimizers' state and the amp state exactly.
+    common = ["--opt-level", "O2", "--half-dtype", "bfloat16", "--loss-scale", "dynamic", "--scale-window", "2",
+              "--inject-overflow", "1:2", "--unwrapped-head", "--sync-overflow", "--accumulate", "2"]
+    checkpoint, full, resumed = tmp_path / "ckpt.pt", tmp_path / "full.pt", tmp_path / "resumed.pt"
+    assert_identical(run_example(*common, "--save-at", "4", "--checkpoint", str(checkpoint),
+                                 "--state-out", str(full)))
+    assert_identical(run_example(*common, "--resume", str(checkpoint), "--state-out", str(resumed)))
+    full_run, resumed_run = torch.load(full), torch.load(resumed)
+    assert resumed_run["first_step"] == 4
+    assert full_run["skipped"] == [False, False, True] + [False] * 5
+    assert resumed_run["skipped"] == full_run["skipped"][4:]
+    assert torch.equal(_bytes(resumed_run["losses"]), _bytes(full_run["losses"][4:]))
+    assert full_run["state"].keys() == resumed_run["state"].keys()
+    assert any("master" in name for name in full_run["state"])
+    differing = [name for name, value in full_run["state"].items()
+                 if not torch.equal(_bytes(value), _bytes(resumed_run["state"][name]))]
+    assert differing == []
+    assert full_run["state"]["amp loss_scaler0.overflows"].item() == 1
+    assert full_run["state"]["amp loss_scaler0.loss_scale"].item() != 65536.0  # the scale did move
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("opt_level", ["O0", "O3"])
-def test_other_opt_levels_ranks_stay_identical(opt_level):
-    assert_identical(run_example("--opt-level", opt_level, "--accumulate", "2"))
+def test_other_opt_levels_ranks_stay_identical_under_torchrun(opt_level):
+    assert_identical(run_example("--opt-level", opt_level, "--accumulate", "2", torchrun=True))
 
 
 @pytest.mark.slow
@@ -73,6 +174,32 @@ def test_fp16_dynamic_scale_no_sync_overflow_on_rank0(opt_level):
                                           "--batch-size", "8", "--accumulate", "2", "--inject-overflow", "0:3"))
     assert skipped_steps_line(stdout) == "[3]"
     assert "loss scale 32768" in stdout
+
+
+@pytest.mark.slow
+def test_unequal_init_without_model_arg_raises_at_the_first_step():
+    # Nothing told amp about the wrapper: the masters of rank 1 are not rank 0's, and the first step says so.
+    result = run_example("--unequal-init", "--no-model-arg", "--steps", "2")
+    assert result.returncode != 0
+    assert "rank 1: 4 model weights are not the rounding of amp's fp32 master weights" in result.stderr
+    assert "amp.sync_masters(ddp_model, optimizer)" in result.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_use_orig_params_o1_overflow_in_one_shard_is_skipped_by_both():
+    # The last bias lies in rank 1's gradient shard: only rank 1 sees the inf after the reduce-scatter.
+    # amp syncs found-inf by itself for FSDP models, so both ranks skip step 3.
+    stdout = assert_identical(run_example("--fsdp", "--opt-level", "O1", "--optimizer", "SGD",
+                                          "--inject-overflow", "1:3"))
+    assert skipped_steps_line(stdout) == "[3]"
+
+
+@pytest.mark.slow
+def test_fsdp_without_overflow_sync_ranks_take_different_skips():
+    result = run_example("--fsdp", "--opt-level", "O1", "--optimizer", "SGD", "--inject-overflow", "1:3",
+                         "--no-sync-overflow")
+    assert result.returncode != 0
+    assert per_rank_skipped_steps(result.stdout) == {0: [], 1: [3]}, (result.stdout + result.stderr)[-4000:]
 
 
 @pytest.mark.slow
@@ -157,3 +284,158 @@ def test_no_sync_refuses_zeroed_gradients_and_changes_nothing(process_group):
     with ddp.no_sync():
         with amp.scale_loss(ddp(x).sum(), optimizer, model=ddp) as scaled_loss:
             scaled_loss.backward()
+
+
+# ---- in-process, world size 1: sync_overflow, sync_masters and FSDP checks ----------------------
+
+
+@pytest.fixture
+def max_reductions(monkeypatch):
+    """The MAX all-reduces issued through torch.distributed.all_reduce (amp's found-inf sync)."""
+    calls = []
+    original = dist.all_reduce
+
+    def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if op == dist.ReduceOp.MAX:
+            calls.append(tensor.clone())
+        return original(tensor, op=op, group=group, async_op=async_op)
+
+    monkeypatch.setattr(dist, "all_reduce", counting)
+    return calls
+
+
+def _train_step_with_overflow(ddp, optimizer, head=None, optimizers=None):
+    x = torch.randn(4, 6)
+    out = ddp(x)
+    loss = (head(out) if head is not None else out).float().sum() * float("inf")
+    with amp.scale_loss(loss, optimizers or optimizer, model=ddp) as scaled_loss:
+        scaled_loss.backward()
+    for each in optimizers or [optimizer]:
+        each.step()
+
+
+def test_plain_ddp_issues_no_overflow_sync(process_group, max_reductions):
+    # DDP's all-reduced gradients already agree: amp adds no collective by default.
+    ddp, optimizer = _ddp_o2()
+    _train_step_with_overflow(ddp, optimizer)
+    assert amp.step_was_skipped(optimizer)
+    assert max_reductions == []
+
+
+def test_sync_overflow_reduces_found_inf_once_per_checked_pass(process_group, max_reductions):
+    torch.manual_seed(0)
+    body, head = nn.Sequential(nn.Linear(6, 5), nn.ReLU()), nn.Linear(5, 3)
+    optimizers = [torch.optim.SGD(body.parameters(), lr=0.1), torch.optim.SGD(head.parameters(), lr=0.1)]
+    amp.initialize([body, head], optimizers, opt_level="O2", half_dtype=torch.bfloat16, sync_overflow=True,
+                   verbosity=0)
+    ddp = nn.parallel.DistributedDataParallel(body)
+    before = [p.detach().clone() for p in amp.master_params(optimizers[1])]
+    _train_step_with_overflow(ddp, None, head, optimizers)
+    assert [flag.item() for flag in max_reductions] == [1.0]
+    assert all(amp.step_was_skipped(each) for each in optimizers)
+    assert all(torch.equal(old, new) for old, new in zip(before, amp.master_params(optimizers[1])))
+    # A no_sync pass is not checked, so it issues no collective; the synced pass issues one.
+    for each in optimizers:
+        each.zero_grad(set_to_none=True)
+    with ddp.no_sync():
+        with amp.scale_loss(head(ddp(torch.randn(4, 6))).sum(), optimizers, model=ddp) as scaled_loss:
+            scaled_loss.backward()
+    assert len(max_reductions) == 1
+    with amp.scale_loss(head(ddp(torch.randn(4, 6))).sum(), optimizers, model=ddp) as scaled_loss:
+        scaled_loss.backward()
+    assert [flag.item() for flag in max_reductions] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("sync_overflow", [False, True])
+def test_params_outside_the_ddp_wrapper_are_flagged_unless_overflow_is_synced(process_group, caplog, sync_overflow):
+    torch.manual_seed(0)
+    body, head = nn.Linear(6, 5), nn.Linear(5, 3)
+    optimizer = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=0.1)
+    amp.initialize([body, head], optimizer, opt_level="O1", half_dtype=torch.bfloat16,
+                   sync_overflow=sync_overflow, verbosity=0)
+    ddp = nn.parallel.DistributedDataParallel(body)
+    for _ in range(2):  # said once per wrapper and optimizer
+        with amp.scale_loss(head(ddp(torch.randn(4, 6))).sum(), optimizer, model=ddp) as scaled_loss:
+            scaled_loss.backward()
+    flagged = [r for r in caplog.records if "outside this DistributedDataParallel wrapper" in r.getMessage()]
+    if sync_overflow:
+        assert flagged == []
+    else:
+        assert len(flagged) == 1 and "2 of the 4 parameters" in flagged[0].getMessage()
+        assert "sync_overflow=True" in flagged[0].getMessage()
+
+
+def test_sync_overflow_rejects_bad_values_and_a_missing_process_group():
+    model = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match="sync_overflow must be False, True"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", sync_overflow="yes",
+                       verbosity=0)
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", sync_overflow=True,
+                       verbosity=0)
+
+
+def test_sync_masters_copies_masters_into_a_bare_model_and_checks_its_arguments(process_group):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    masters = list(amp.master_params(optimizer))
+    with torch.no_grad():
+        masters[0].add_(0.5)  # the model weight is now stale
+    amp.sync_masters(model, optimizer)  # world size 1: rank 0's masters are these; the model follows them
+    assert torch.equal(model.weight, masters[0].to(torch.bfloat16))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        amp.sync_masters("model", optimizer)
+    with pytest.raises(RuntimeError, match="amp.initialize never saw"):
+        amp.sync_masters(model, torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def _fsdp(module, use_orig_params=True):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with warnings.catch_warnings():  # one rank: FSDP says it falls back to NO_SHARD (still FSDP's code paths)
+        warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
+        return FullyShardedDataParallel(module, use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+
+
+def test_fsdp_o1_syncs_found_inf_by_itself_and_skips(process_group, max_reductions):
+    torch.manual_seed(0)
+    fsdp = _fsdp(nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)))
+    optimizer = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    fsdp, optimizer = amp.initialize(fsdp, optimizer, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    before = [p.detach().clone() for p in fsdp.parameters()]
+    with amp.scale_loss(fsdp(torch.randn(4, 6)).float().sum() * float("inf"), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    assert [flag.item() for flag in max_reductions] == [1.0]
+    assert amp.step_was_skipped(optimizer)
+    assert all(torch.equal(old, new) for old, new in zip(before, fsdp.parameters()))
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_fsdp_at_casting_levels_is_refused_naming_the_supported_setups(process_group, opt_level):
+    fsdp = _fsdp(nn.Linear(4, 3))
+    optimizer = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=rf"opt_level={opt_level} casts the model.*use_orig_params=True.* O0 or O1"):
+        amp.initialize(fsdp, optimizer, opt_level=opt_level, verbosity=0)
+    assert fsdp.weight.dtype == torch.float32  # refused before anything was cast
+
+
+def test_fsdp_flat_parameters_are_refused(process_group):
+    fsdp = _fsdp(nn.Linear(4, 3), use_orig_params=False)
+    optimizer = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="FlatParameters.*use_orig_params=True"):
+        amp.initialize(fsdp, optimizer, opt_level="O1", verbosity=0)
+
+
+def test_fsdp2_fully_shard_is_refused(process_group):
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"fully_shard \(FSDP2.*use_orig_params=True"):
+        amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
