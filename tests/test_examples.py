@@ -72,3 +72,46 @@ def test_three_line_example_runs():
     # Random data and labels, no seed: the value varies; it must be a real, finite cross-entropy.
     loss = float(done.stdout.split("loss")[-1])
     assert math.isfinite(loss) and loss > 0
+
+
+def _load_transformer():
+    spec = importlib.util.spec_from_file_location("transformer_example", EXAMPLES / "transformer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_transformer_example_lowers_the_loss(opt_level, tmp_path):
+    from apex_amp.amp import casting
+
+    transformer = _load_transformer()
+    out = tmp_path / "lm.json"
+    result = transformer.main(["--quick", "--opt-level", opt_level, "--accumulate", "2", "--no-progress",
+                               "--json", str(out)])
+
+    assert not casting.is_active()  # O1's process-wide casts are off again after main()
+    first, last = result["epochs"][0], result["epochs"][-1]
+    # Untrained, the model is near uniform over 96 characters (ln 96 = 4.56); 12 steps must cut that clearly.
+    assert result["initial_val_loss"] > 4.0
+    assert last["val_loss"] < result["initial_val_loss"] - 0.8, result
+    assert last["train_loss"] < first["train_loss"], result
+    assert math.isclose(last["val_perplexity"], math.exp(last["val_loss"]))
+    assert result["skipped_steps"] == 0 and result["final_loss_scale"] == 1.0  # bf16: static scale
+    saved = json.loads(out.read_text(encoding="utf-8"))
+    assert saved["opt_level"] == opt_level and saved["epochs"] == result["epochs"]
+
+
+def test_transformer_example_reads_a_given_text_and_rejects_bad_arguments(tmp_path, capsys):
+    transformer = _load_transformer()
+    short = tmp_path / "short.txt"
+    short.write_text("too short\n", encoding="utf-8")
+    with pytest.raises(RuntimeError, match="--text PATH"):
+        transformer.load_text(short)
+    ids = transformer.encode("ab\tc\u00e9\n")  # the tab becomes 4 spaces, the accented letter is dropped
+    assert ids.tolist() == [transformer.ALPHABET.index(c) for c in "ab    c\n"]
+    with pytest.raises(SystemExit):
+        transformer.parse_args(["--d-model", "100"])
+    assert "multiple of 8" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="multiple of 8"):
+        transformer.make_model(d_model=60, heads=4)
