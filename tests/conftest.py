@@ -53,3 +53,15 @@ def amp_ops(backend):
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _o1_casts_off_after_each_test():
+    """O1's casts are process-wide (as in apex, initialize turns them on for good): a test that
+    initializes at O1 must not leave them on for the tests after it."""
+    from apex_amp.amp import casting
+
+    was_active = casting.is_active()
+    yield
+    if casting.is_active() and not was_active:
+        casting.deactivate()
