@@ -104,6 +104,10 @@ class OverflowLog:
         else:
             self._consume(values, static)
 
+    def record_on_host(self, overflow: bool, scale: Tensor, *, static: bool) -> None:
+        """``record`` for a CPU scaler whose flag was read already; the scale is read only on overflow."""
+        self._account(overflow, scale.reshape(1).tolist()[0] if overflow else None, static)
+
     def flush(self, block: bool = False) -> None:
         """Log the queued records whose values have reached the host (all of them if ``block``)."""
         while self._pending:
@@ -116,7 +120,11 @@ class OverflowLog:
 
     def _consume(self, values: Tensor, static: bool) -> None:
         overflow, scale = values.tolist()
-        self._watch_collapse(bool(overflow), scale, static)
+        self._account(bool(overflow), scale, static)
+
+    def _account(self, overflow: bool, scale: Optional[float], static: bool) -> None:
+        # scale: the scale after the update, needed (and given) only when overflow is True.
+        self._watch_collapse(overflow, scale, static)
         if not overflow:
             return
         self.count += 1
@@ -143,7 +151,7 @@ class OverflowLog:
             )
             self.unlogged = 0
 
-    def _watch_collapse(self, overflow: bool, scale: float, static: bool) -> None:
+    def _watch_collapse(self, overflow: bool, scale: Optional[float], static: bool) -> None:
         # A dynamic scale above its floor still has room to back off: not a collapse (yet).
         if not overflow or not (static or scale <= self.floor):
             self.floor_streak = 0

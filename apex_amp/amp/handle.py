@@ -180,7 +180,7 @@ def scale_loss(
             "model whose parameters these optimizers do not hold (a model created or re-created after "
             "amp.initialize?); train the models and optimizers that amp.initialize returned"
         )
-    found_inf = torch.zeros(1, device=scaler.device)
+    found_inf = scaler.found_inf_for_pass()  # zeroed; nothing keeps it past this exit
     inv_scale = scaler.inv_scale()  # before update(): the scale these gradients carry
     checked = [
         state for state in states

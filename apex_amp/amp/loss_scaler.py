@@ -81,6 +81,8 @@ class LossScaler:
         self.hysteresis_tracker = torch.full((1,), hysteresis, dtype=torch.int32, device=self.device)
         # Count of overflowing backward passes, accumulated on the device.
         self.overflows = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # The found-inf flag of a backward pass, reused by every pass (see found_inf_for_pass).
+        self._found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
         # A static scale is known on the host, which lets scale_loss skip work
         # (no multiply when it is 1.0, a read-only check instead of an unscale).
         self.static_value = None if dynamic else float(init_scale)
@@ -103,12 +105,28 @@ class LossScaler:
             return self._static_inv_scale
         return torch.reciprocal(self.scale)
 
+    def found_inf_for_pass(self) -> Tensor:
+        """The zeroed found-inf flag for one backward pass of this loss.
+
+        One buffer, reused: the checks write it, and everything that outlives the
+        pass's ``scale_loss`` takes a copy (the optimizer states clone it, the
+        log copies it out), so zeroing it for the next pass changes nothing seen.
+        """
+        return self._found_inf.zero_()
+
     def update(self, found_inf: Tensor) -> None:
-        """Account for one backward pass whose gradients set ``found_inf`` (device only, no sync)."""
+        """Account for one backward pass whose gradients set ``found_inf`` (no host sync on CUDA)."""
         if not self.check_finite:
             return
         self.updates += 1
-        self.overflows.add_(found_inf.to(torch.int64))
+        # On CPU the flag is in host memory already: reading it costs no sync, and spares the
+        # int64 conversion and the log's concatenation (~7 us of ~1 ms on a small model's step).
+        # Read with tolist(), as the log always read CPU values: a plain copy, no dispatched op.
+        host_flag = found_inf.reshape(1).tolist()[0] if found_inf.device.type == "cpu" else None
+        if host_flag is None:
+            self.overflows.add_(found_inf.to(torch.int64))
+        elif host_flag:
+            self.overflows.add_(int(host_flag))  # what found_inf.to(torch.int64) adds
         if self.dynamic:
             ops.update_scale_(
                 self.scale,
@@ -122,7 +140,10 @@ class LossScaler:
                 min_scale=self.min_scale,
                 max_scale=self.max_scale,
             )
-        self.log.record(found_inf, self.scale, static=not self.dynamic)
+        if host_flag is None:
+            self.log.record(found_inf, self.scale, static=not self.dynamic)
+        else:
+            self.log.record_on_host(bool(host_flag), self.scale, static=not self.dynamic)
 
     def loss_scale(self) -> float:
         """The current scale as a Python float.

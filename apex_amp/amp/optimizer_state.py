@@ -149,6 +149,10 @@ class OptimizerAmpState:
         """Whether the backward since ``prepare_backward`` reached a parameter of this optimizer."""
         if self._continuing_delayed:
             return True  # accumulated in place: new and old gradients are indistinguishable
+        return self._holds_model_or_direct_grads()
+
+    def _holds_model_or_direct_grads(self) -> bool:
+        # The gradients _absorb reads: direct params' and half model params' (not the masters').
         return any(p.grad is not None for p in self.direct_params) or any(
             link.model_param.grad is not None for link in self.links
         )
@@ -254,6 +258,14 @@ class OptimizerAmpState:
 
     def unscale_pending(self) -> None:
         # SCALED/DELAYED gradients -> UNSCALED, before another backward adds to them.
+        if self.grad_state is GradState.SCALED and not self._holds_model_or_direct_grads():
+            # The usual case after a fused step and zero_grad(set_to_none=True): nothing to unscale,
+            # and a SCALED pass was already checked, so no flag is needed (saves two flag tensors
+            # and a pass over the params, ~10 us a step).
+            self.grad_state = GradState.UNSCALED
+            self.pending_inv_scale = None
+            self.delayed_key = None
+            return
         scratch = torch.zeros(1, device=self.session.device)
         inv_scale = self.pending_inv_scale
         unit_scale = inv_scale is None
