@@ -14,17 +14,9 @@ import torch
 from torch import nn
 
 from apex_amp import amp
-from apex_amp.amp import casting
 from apex_amp.optimizers import FusedAdam
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _o1_off_afterwards():
-    yield
-    if casting.is_active():
-        casting.deactivate()
 
 
 # One training run, cut at step K: "full" runs 2K steps and saves a checkpoint

@@ -17,13 +17,6 @@ from apex_amp.optimizers import FusedAdam
 INF = float("inf")
 
 
-@pytest.fixture(autouse=True)
-def _o1_off_afterwards():
-    yield
-    if casting.is_active():
-        casting.deactivate()
-
-
 def tiny_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))

@@ -9,16 +9,8 @@ import torch
 from torch import nn
 
 from apex_amp import amp
-from apex_amp.amp import casting
 from apex_amp.amp.opt_levels import resolve_properties
 from apex_amp.optimizers import FusedAdam
-
-
-@pytest.fixture(autouse=True)
-def _o1_off_afterwards():
-    yield
-    if casting.is_active():
-        casting.deactivate()
 
 
 def small_model() -> nn.Module:

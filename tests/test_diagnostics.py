@@ -31,13 +31,6 @@ TESTS = Path(__file__).resolve().parent
 TARGET = "encoder.0.weight"
 
 
-@pytest.fixture(autouse=True)
-def _o1_off_afterwards():
-    yield
-    if casting.is_active():
-        casting.deactivate()
-
-
 def named_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(OrderedDict(

@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from apex_amp import amp
-from apex_amp.amp import casting
 from apex_amp.optimizers import FusedAdam
 
 BAD_VALUES = (math.inf, -math.inf, math.nan)
@@ -45,13 +44,6 @@ FAULT_PROBABILITY = 0.15  # per loss and step
 # Bursts of faults drive a dynamic scale down to its floor: one starts at a step with this probability.
 BURST_PROBABILITY, BURST_FAULT_PROBABILITY, BURST_LENGTH = 0.01, 0.95, (15, 30)
 MIN_SCALE, MAX_SCALE, WINDOW = 2.0**-3, 2.0**10, 3
-
-
-@pytest.fixture(autouse=True)
-def _o1_off_afterwards():
-    yield
-    if casting.is_active():
-        casting.deactivate()
 
 
 @pytest.fixture(autouse=True)

@@ -14,17 +14,9 @@ import torch
 from torch import nn
 
 from apex_amp import amp
-from apex_amp.amp import casting
 from apex_amp.optimizers import FusedAdam
 
 INF = float("inf")
-
-
-@pytest.fixture(autouse=True)
-def _o1_off_afterwards():
-    yield
-    if casting.is_active():
-        casting.deactivate()
 
 
 def _make_optimizer(kind: str, params) -> torch.optim.Optimizer:

@@ -26,13 +26,6 @@ from apex_amp.amp import casting, state
 F16, BF16 = torch.float16, torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _o1_off_afterwards():
-    yield
-    if casting.is_active():
-        casting.deactivate()
-
-
 # ==== 1. bad arguments to initialize ===========================================================
 def _tied_pair():
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)

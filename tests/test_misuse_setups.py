@@ -10,17 +10,9 @@ from torch import nn
 
 from _misuse import batch, small_model, train_step
 from apex_amp import amp
-from apex_amp.amp import casting
 from apex_amp.optimizers import FusedAdam
 
 F32, BF16 = torch.float32, torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def _o1_off_afterwards():
-    yield
-    if casting.is_active():
-        casting.deactivate()
 
 
 def _plain_run(model, optimizer, steps):

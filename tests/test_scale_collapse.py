@@ -18,17 +18,9 @@ import torch
 from torch import nn
 
 from apex_amp import amp
-from apex_amp.amp import casting
 
 COLLAPSE = "Loss scale collapse"
 TINY = torch.finfo(torch.float32).tiny
-
-
-@pytest.fixture(autouse=True)
-def _o1_off_afterwards():
-    yield
-    if casting.is_active():
-        casting.deactivate()
 
 
 @pytest.fixture(autouse=True)

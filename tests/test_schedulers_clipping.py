@@ -19,19 +19,11 @@ import torch
 from torch import nn
 
 from apex_amp import amp
-from apex_amp.amp import casting
 from apex_amp.optimizers import FusedAdam
 
 INF = float("inf")
 STEPS = 6
 ORDER_WARNING = "lr_scheduler.step()"  # torch: "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
-
-
-@pytest.fixture(autouse=True)
-def _o1_off_afterwards():
-    yield
-    if casting.is_active():
-        casting.deactivate()
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
