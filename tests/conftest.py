@@ -65,3 +65,13 @@ def _o1_casts_off_after_each_test():
     yield
     if casting.is_active() and not was_active:
         casting.deactivate()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tests of tiny tensors: a second thread only spins against the other
+    processes of a busy 2-core box (measured: 200 fault-injection steps in 1.2 s on one thread, 22 s on two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -16,6 +16,8 @@ from torch import nn
 from apex_amp import amp
 from apex_amp.optimizers import FusedAdam
 
+from _trees import assert_same
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -73,21 +75,6 @@ RUN_SCRIPT = textwrap.dedent(
         main(*sys.argv[1:])
     """
 )
-
-
-def assert_same(a, b, path="result"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for key in a:
-            assert_same(a[key], b[key], f"{path}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
 
 
 def resume_is_bitwise(tmp_path, level, half, kind):

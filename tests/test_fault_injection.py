@@ -46,14 +46,7 @@ BURST_PROBABILITY, BURST_FAULT_PROBABILITY, BURST_LENGTH = 0.01, 0.95, (15, 30)
 MIN_SCALE, MAX_SCALE, WINDOW = 2.0**-3, 2.0**10, 3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The tensors are tiny: a second intra-op thread only spins against the other processes
-    # of a busy 2-core box (measured: 200 fuzz steps in 1.2 s on one thread, 22 s on two).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 @dataclasses.dataclass(frozen=True)

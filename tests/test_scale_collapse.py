@@ -23,13 +23,7 @@ COLLAPSE = "Loss scale collapse"
 TINY = torch.finfo(torch.float32).tiny
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: a second intra-op thread only spins against other processes on a busy box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 def make_run(**options):
