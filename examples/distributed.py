@@ -30,10 +30,12 @@ sync_overflow=True)``, a MAX all-reduce of the found-inf flag) the ranks take
 different skip decisions and drift apart.
 
 ``--unequal-init`` seeds each rank's model differently: DDP broadcasts rank
-0's weights, and ``scale_loss(model=ddp)`` broadcasts rank 0's fp32 masters
-(made by ``initialize`` from each rank's own weights) the first time it sees
-the wrapper. With ``--no-model-arg`` as well, the first ``optimizer.step()``
-raises instead (call ``amp.sync_masters(ddp, optimizer)`` in such a script).
+0's weights, and amp broadcasts rank 0's fp32 masters (made by ``initialize``
+from each rank's own weights) the first time ``scale_loss`` runs after a
+forward through the wrapper, with or without ``model=ddp``. With
+``--no-model-arg --clear-through-model`` this is apex's own
+``examples/simple/distributed`` pattern: initialize, wrap, train with plain
+``scale_loss(loss, optimizer)``, clear gradients with ``model.zero_grad()``.
 
 ``--fsdp`` wraps the model in ``FullyShardedDataParallel(use_orig_params=True)``
 instead (O0/O1; other levels raise), builds the optimizer over the sharded
@@ -97,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a second model outside DDP whose gradients the script all-reduces itself")
     parser.add_argument("--sync-overflow", action="store_true", help="amp.initialize(..., sync_overflow=True)")
     parser.add_argument("--unequal-init", action="store_true", help="seed each rank's model differently")
+    parser.add_argument("--clear-through-model", action="store_true",
+                        help="clear gradients with model.zero_grad() instead of optimizer.zero_grad()")
     parser.add_argument("--save-at", type=int, default=None, metavar="STEP",
                         help="rank 0 saves a checkpoint to --checkpoint after STEP steps")
     parser.add_argument("--checkpoint", default=None, metavar="PATH")
@@ -180,8 +184,12 @@ def train(args, job: Job, x: Tensor, y: Tensor, rank: int, start_step: int) -> t
     skipped, losses = [], []
     model_arg = None if args.no_model_arg else job.ddp
     for step in range(start_step, args.steps):
-        for optimizer in job.optimizers:
-            optimizer.zero_grad(set_to_none=True)
+        if args.clear_through_model:  # never reaches O2's masters: amp's step consumes their gradients
+            for model in job.models:
+                model.zero_grad()
+        else:
+            for optimizer in job.optimizers:
+                optimizer.zero_grad(set_to_none=True)
         for micro in range(args.accumulate):
             start = ((step * args.accumulate + micro) * args.batch_size) % (len(x) - args.batch_size + 1)
             xb, yb = x[start:start + args.batch_size], y[start:start + args.batch_size]

@@ -130,9 +130,11 @@ def test_clipping_master_params_matches_fp32_reference(kind):
     torch.testing.assert_close(norm, ref_norm, rtol=1e-2, atol=0)
     for got, want in zip(master_grads(optimizer), [p.grad for p in reference.parameters()]):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-4)
-    # and the clipped gradients are what the step uses
+    # and the clipped gradients are what the step uses (and consumes)
     before = [p.detach().clone() for p in amp.master_params(optimizer)]
+    clipped = master_grads(optimizer)
     optimizer.step()
+    assert all(p.grad is None for p in amp.master_params(optimizer))
     if kind == "SGD":
-        for b, a, g in zip(before, amp.master_params(optimizer), master_grads(optimizer)):
+        for b, a, g in zip(before, amp.master_params(optimizer), clipped):
             torch.testing.assert_close(a, b - 0.1 * g)

@@ -35,11 +35,11 @@ TIMEOUT_S = 180
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
-def run_example(*args: str, torchrun: bool = False) -> subprocess.CompletedProcess:
-    """Run the example on 2 ranks: under torchrun, or (cheaper: no third interpreter) as 2 processes
-    given the environment torchrun would set."""
+def run_example(*args: str, torchrun: bool = False, script: Path = EXAMPLE) -> subprocess.CompletedProcess:
+    """Run the example (or ``script``) on 2 ranks: under torchrun, or (cheaper: no third interpreter)
+    as 2 processes given the environment torchrun would set."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(EXAMPLE.parents[1]))
-    example = [str(EXAMPLE), "--steps", "8", *args]
+    example = [str(script), *args] if script != EXAMPLE else [str(EXAMPLE), "--steps", "8", *args]
     if torchrun:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *example]
         return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
@@ -176,12 +176,45 @@ def test_fp16_dynamic_scale_no_sync_overflow_on_rank0(opt_level):
     assert "loss scale 32768" in stdout
 
 
-@pytest.mark.slow
-def test_unequal_init_without_model_arg_raises_at_the_first_step():
-    # Nothing told amp about the wrapper: the masters of rank 1 are not rank 0's, and the first step says so.
-    result = run_example("--unequal-init", "--no-model-arg", "--steps", "2")
+def test_unseeded_apex_script_o2_fp16_trains_every_rank_bitwise_identical():
+    # apex's examples/simple/distributed at O2: each rank builds its own weights, initialize, then DDP,
+    # plain scale_loss(loss, optimizer) and model.zero_grad(). amp sees the wrapper in the first
+    # forward and gives every rank rank 0's fp32 masters, as DDP gave them rank 0's weights.
+    result = run_example("--opt-level", "O2", "--half-dtype", "float16", "--optimizer", "SGD", "--hidden", "8",
+                         "--batch-size", "8", "--unequal-init", "--no-model-arg", "--clear-through-model",
+                         "--inject-overflow", "0:2", torchrun=True)
+    stdout = assert_identical(result)
+    assert skipped_steps_line(stdout) == "[2]"
+    assert "rank 1: amp's fp32 master weights differed from rank 0's" in result.stderr
+    assert "rank 0: amp's fp32 master weights differed" not in result.stderr
+
+
+INNER_FORWARD = """
+import os, traceback, torch, torch.distributed as dist
+from torch import nn
+from apex_amp import amp
+dist.init_process_group("gloo")
+torch.manual_seed(dist.get_rank())
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+ddp = nn.parallel.DistributedDataParallel(model)
+loss = ddp.module(torch.randn(3, 4)).float().sum()  # around the wrapper: amp cannot see it
+try:
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+except RuntimeError:
+    traceback.print_exc()
+os._exit(1)  # no clean-up: the other rank may be waiting in a collective
+"""
+
+
+def test_masters_that_do_not_match_the_weights_ddp_broadcast_raise_when_the_wrapper_is_unseen(tmp_path):
+    script = tmp_path / "inner_forward.py"
+    script.write_text(INNER_FORWARD)
+    result = run_example(script=script)
     assert result.returncode != 0
-    assert "rank 1: 4 model weights are not the rounding of amp's fp32 master weights" in result.stderr
+    assert "rank 1: 2 model weights are not the rounding of amp's fp32 master weights" in result.stderr
     assert "amp.sync_masters(ddp_model, optimizer)" in result.stderr
 
 
@@ -266,7 +299,12 @@ def test_no_sync_accumulation_matches_one_big_batch(process_group):
 
 
 def test_no_sync_refuses_zeroed_gradients_and_changes_nothing(process_group):
-    ddp, optimizer = _ddp_o2()
+    # O1: the optimizer reads the model's own .grad, which zero_grad(set_to_none=False) leaves as zeros.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    ddp = nn.parallel.DistributedDataParallel(model)
     x = torch.randn(4, 6)
     with amp.scale_loss(ddp(x).sum(), optimizer, model=ddp) as scaled_loss:
         scaled_loss.backward()

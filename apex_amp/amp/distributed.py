@@ -10,10 +10,17 @@
   tensor, so this adds one tiny collective per backward pass and no host sync.
 * **Masters.** DDP's constructor broadcasts rank 0's weights into the model,
   but under O2 ``initialize`` made the fp32 masters earlier, from each rank's
-  own weights. :func:`sync_masters` broadcasts rank 0's masters too;
-  ``scale_loss(..., model=ddp_model)`` calls it once per wrapper, and the first
-  ``optimizer.step()`` of a distributed run raises if a rank's masters still do
-  not match its model weights.
+  own weights (apex made them later, at the first backward, after the
+  broadcast). So amp follows the wrapper: a forward pre-hook on each model
+  notes the DDP wrapper its forward runs under (torch marks the active wrapper
+  for TorchDynamo during its inner forward), and the next ``scale_loss``
+  broadcasts rank 0's fp32 masters over that wrapper's process group, once per
+  wrapper and optimizer, as :func:`sync_masters` and ``scale_loss(...,
+  model=ddp_model)`` do. An unseeded apex script that initializes, then wraps
+  in DDP, then trains with plain ``scale_loss(loss, optimizer)`` therefore
+  keeps every rank bitwise identical, with rank 0's fp32 precision. Where the
+  wrapper cannot be seen (its Python reducer), the first pass of a distributed
+  run raises if a rank's masters do not match its model weights.
 * **FSDP.** ``FullyShardedDataParallel(use_orig_params=True)`` works at O0 and
   O1 (the model stays fp32; found-inf is synchronised automatically because
   each rank checks its own shard). O2/O3 cast the model and keep masters of
@@ -25,19 +32,21 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from .master_weights import MasterLink
+
+if TYPE_CHECKING:
+    from .gradients import GradLifecycle
+    from .state import AmpSession
 
 __all__ = ["sync_masters"]
 
 logger = logging.getLogger("apex_amp")
-
-# DDP wrappers whose masters scale_loss(model=...) already synchronised, per optimizer state.
-_SYNCED_WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 FSDP_SUPPORTED = (
     "Supported with FSDP: FullyShardedDataParallel(model, use_orig_params=True) at opt_level O0 or O1, "
@@ -170,22 +179,48 @@ def broadcast_masters(model: nn.Module, links: list[MasterLink]) -> None:
         )
 
 
+def _active_ddp_wrapper() -> Optional[nn.Module]:
+    # Set by DistributedDataParallel around its inner module's forward (for TorchDynamo);
+    # None when the wrapper runs its Python reducer, or in a torch without it.
+    getter = getattr(nn.parallel.DistributedDataParallel, "_get_active_ddp_module", None)
+    return getter() if getter is not None else None
+
+
+def note_ddp_wrappers(model: nn.Module, found: "list[weakref.ref[nn.Module]]") -> RemovableHandle:
+    """A forward pre-hook appending to ``found`` the DDP wrapper ``model``'s forward runs under; removed once it has."""
+    handle: Optional[RemovableHandle] = None
+
+    @torch.compiler.disable  # a few forwards at most, until the wrapper is seen
+    def note_wrapper(module: nn.Module, args: tuple) -> None:
+        wrapper = _active_ddp_wrapper()
+        if wrapper is not None and wrapper.module is module:
+            if all(ref() is not wrapper for ref in found):
+                found.append(weakref.ref(wrapper))
+            handle.remove()
+
+    handle = model.register_forward_pre_hook(note_wrapper)
+    return handle
+
+
 def first_use_of_wrapper(
-    model: Optional[nn.Module], states: Iterable[Any], overflow_group: Optional[Any]
+    session: "AmpSession", model: Optional[nn.Module], lifecycles: Iterable["GradLifecycle"], warn_outside: bool
 ) -> None:
-    """``scale_loss(model=ddp)``, once per wrapper and optimizer: broadcast the masters, and warn when
-    some gradients escape DDP's all-reduce while found-inf is not synchronised."""
+    """Once per DDP wrapper and optimizer: broadcast rank 0's masters of the wrapped parameters.
+
+    With ``warn_outside`` (the wrapper was passed as ``scale_loss(model=...)``), also warn when some
+    of the optimizer's gradients escape DDP's all-reduce while found-inf is not synchronised.
+    """
     if not _is_ddp(model):
         return
-    done = _SYNCED_WRAPPERS.setdefault(model, weakref.WeakSet())
-    for state in states:
-        if state in done:
+    done = session.synced_wrappers.setdefault(model, weakref.WeakSet())
+    for lifecycle in lifecycles:
+        if lifecycle in done:
             continue
-        done.add(state)
-        broadcast_masters(model, state.links)
-        if overflow_group is None:
+        done.add(lifecycle)
+        broadcast_masters(model, lifecycle.params.links)
+        if warn_outside and session.overflow_group is None:
             reduced = _reduced_params(model)
-            params = list(state.direct_params) + [link.model_param for link in state.links]
+            params = list(lifecycle.params.direct) + [link.model_param for link in lifecycle.params.links]
             outside = sum(1 for param in params if param not in reduced)
             if outside:
                 logger.warning(
@@ -201,9 +236,11 @@ def sync_masters(model: nn.Module, optimizers: Any) -> None:
 
     ``DistributedDataParallel`` broadcasts rank 0's weights into the model when
     it is built, but ``amp.initialize`` made the fp32 masters earlier, from
-    each rank's own weights. When the ranks did not start from the same
-    weights, call this once after wrapping (``amp.scale_loss(...,
-    model=ddp_model)`` does it by itself the first time it sees the wrapper).
+    each rank's own weights. amp does this by itself the first time
+    ``amp.scale_loss`` runs after a forward through the wrapper (or sees it as
+    ``model=ddp_model``); call it where amp cannot see the wrapper (DDP's
+    Python reducer, a forward that goes around the wrapper), or to give the
+    ranks rank 0's masters at a point of your choosing.
 
     Args:
         model: the ``DistributedDataParallel`` wrapper (its process group is
@@ -228,29 +265,7 @@ def sync_masters(model: nn.Module, optimizers: Any) -> None:
     if not session.enabled:
         return
     for optimizer in optimizer_list:
-        state = session.state_of(optimizer)
-        broadcast_masters(model, state.links)
+        lifecycle = session.lifecycle_of(optimizer)
+        broadcast_masters(model, lifecycle.params.links)
         if _is_ddp(model):
-            _SYNCED_WRAPPERS.setdefault(model, weakref.WeakSet()).add(state)
-
-
-def _same_values(a: Tensor, b: Tensor) -> bool:
-    return torch.equal(a, b) or bool(((a == b) | (a.isnan() & b.isnan())).all())
-
-
-def check_masters_match_model(links: list[MasterLink]) -> None:
-    """First step of a distributed run: every model weight must be its master's rounding."""
-    if not links or not _distributed_ready() or torch.distributed.get_world_size() < 2:
-        return
-    with torch.no_grad():
-        mismatched = [index for index, link in enumerate(links) if not _same_values(
-            link.master.to(link.model_param.dtype), link.model_param)]
-    if mismatched:
-        raise RuntimeError(
-            f"rank {torch.distributed.get_rank()}: {len(mismatched)} model weights are not the rounding of "
-            "amp's fp32 master weights (the first is master index "
-            f"{mismatched[0]}). amp.initialize made the masters from this rank's own weights, and "
-            "DistributedDataParallel has since broadcast rank 0's weights into the model (or the weights "
-            "were changed behind amp's back). Build the model from the same seed on every rank, or call "
-            "amp.sync_masters(ddp_model, optimizer) after wrapping, or pass model=ddp_model to amp.scale_loss"
-        )
+            session.synced_wrappers.setdefault(model, weakref.WeakSet()).add(lifecycle)

@@ -11,12 +11,11 @@ from torch import nn
 from . import casting
 from ._logging import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS
 from .diagnostics import overflow
-from .distributed import check_sharded_models, overflow_group
+from .distributed import check_sharded_models, note_ddp_wrappers, overflow_group
 from .handle import as_optimizer_list, find_session
 from .master_weights import attach_masters
 from .model_casting import add_cast_hooks, add_master_state_dict_hooks, cast_model_
 from .opt_levels import HALF_DTYPES, parse_flag, resolve_properties
-from .optimizer_state import GradState
 from .state import AmpSession, latest_session, register_models, register_session, session_for, was_initialized
 
 __all__ = ["initialize", "state_dict", "load_state_dict", "master_params", "step_was_skipped", "loss_scale"]
@@ -78,6 +77,12 @@ def _check_each_param_in_one_optimizer(models: list[nn.Module], optimizers: list
                     "optimizer, e.g. build it from nn.ModuleList([model_a, model_b]).parameters()"
                 )
             owner[param] = where
+
+
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
 
 
 def _device_of(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> torch.device:
@@ -240,6 +245,8 @@ def initialize(
         add_cast_hooks(model, model_dtype, output_dtype)
         if properties.master_weights:
             add_master_state_dict_hooks(model, session.master_of)
+            if _world_size() > 1:
+                note_ddp_wrappers(model, session.ddp_wrappers)  # to follow DDP's broadcast, as apex did
     for optimizer in optimizer_list:
         links = attach_masters(optimizer, fp32_values=fp32_values) if properties.master_weights else []
         session.add_optimizer(optimizer, links)
@@ -252,7 +259,7 @@ def initialize(
     register_session(session, optimizer_list)
     register_models(model_list)
     if overflow_report:
-        overflow.enable(session, model_list, optimizer_list)
+        overflow.enable(session, model_list)
     return result()
 
 
@@ -337,11 +344,9 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Paramet
     # Before initialize (or for another optimizer) the params would not be the masters.
     session = find_session([optimizer], "master_params")
     if session.enabled:
-        state = session.state_of(optimizer)
-        state.sync_param_groups(optimizer)
-        if state.grad_state is GradState.SCALED:
-            # Left scaled for a fused step; clipping needs the true values now.
-            state.unscale_pending()
+        lifecycle = session.lifecycle_of(optimizer)
+        lifecycle.sync_params()
+        lifecycle.settle()  # gradients kept scaled for a fused step: clipping needs the true values now
     return iter([p for group in optimizer.param_groups for p in group["params"]])
 
 
@@ -365,7 +370,7 @@ def step_was_skipped(optimizer: torch.optim.Optimizer) -> bool:
     session = find_session([optimizer], "step_was_skipped")
     if not session.enabled:
         return False
-    return session.state_of(optimizer).step_was_skipped()
+    return session.lifecycle_of(optimizer).step_was_skipped()
 
 
 def loss_scale(loss_id: int = 0) -> float:

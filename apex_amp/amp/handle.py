@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from . import casting
-from .diagnostics import overflow
-from .distributed import agree_on_overflow, first_use_of_wrapper
+from .distributed import first_use_of_wrapper
+from .gradients import PassScale, settle_for_pass
 from .state import AmpSession, latest_session, session_for
 
 __all__ = ["scale_loss"]
@@ -142,16 +142,27 @@ def scale_loss(
         )
     scaler = session.scalers[loss_id]
     session.flush_logs(check_collapse=True)  # raises once a loss scale has collapsed
-    states = [session.state_of(optimizer) for optimizer in optimizer_list]
-    first_use_of_wrapper(model, states, session.overflow_group)  # once per wrapper: rank 0's masters
-    if _skips_grad_sync(model):
+    lifecycles = [session.lifecycle_of(optimizer) for optimizer in optimizer_list]
+    # Once per DDP wrapper: rank 0's masters (the wrapper passed as model=, or one the models ran under).
+    first_use_of_wrapper(session, model, lifecycles, warn_outside=True)
+    for wrapper_ref in session.ddp_wrappers:
+        first_use_of_wrapper(session, wrapper_ref(), lifecycles, warn_outside=False)
+    local_accumulation = _skips_grad_sync(model)
+    if local_accumulation:
         # Checking these local gradients now would let ranks disagree on the
         # skip; unscaling them would keep them out of DDP's next all-reduce.
-        for optimizer, state in zip(optimizer_list, states):
-            state.check_local_accumulation(optimizer, scaler, loss_id)
         delay_unscale = True
-    for optimizer, state in zip(optimizer_list, states):
-        state.prepare_backward(optimizer, scaler, loss_id)
+    settle_for_pass(lifecycles, lambda: (loss_id, scaler.scale_epoch))
+    key = (loss_id, scaler.scale_epoch)
+    begun = []
+    try:
+        for lifecycle in lifecycles:
+            lifecycle.begin_pass(key, local_accumulation)
+            begun.append(lifecycle)
+    except BaseException:
+        for lifecycle in begun:
+            lifecycle.abort_pass()
+        raise
 
     if scaler.static_value == 1.0:
         scaled_loss = loss.float()
@@ -161,18 +172,17 @@ def scale_loss(
         scaled_loss = loss.float() * scaler.scale_for_loss().to(loss.device)
     # Backward runs with O1's casts off: autograd replays each op's backward
     # under the caller's autocast state, and our Python-level O1 kernels would
-    # otherwise be re-entered for every backward call (measured: 1.2-1.3x the
-    # step time; benchmarks/bench_o1_overhead.py). The gradients are the same.
+    # otherwise be re-entered for every backward call. The gradients are the same.
     casts_off = casting.disable_casts() if session.properties.patch_torch_functions else contextlib.nullcontext()
     try:
         with casts_off:
             yield scaled_loss
     except BaseException:
-        for state in states:
-            state.abort_backward()
+        for lifecycle in lifecycles:
+            lifecycle.abort_pass()
         raise
 
-    if not session.warned_unreached and not any(state.has_new_grads() for state in states):
+    if not session.warned_unreached and not any(lifecycle.has_new_grads() for lifecycle in lifecycles):
         session.warned_unreached = True
         logger.warning(
             "amp.scale_loss: the backward pass produced no gradient for any parameter of the optimizer(s) "
@@ -181,16 +191,12 @@ def scale_loss(
             "amp.initialize?); train the models and optimizers that amp.initialize returned"
         )
     found_inf = scaler.found_inf_for_pass()  # zeroed; nothing keeps it past this exit
-    inv_scale = scaler.inv_scale()  # before update(): the scale these gradients carry
-    checked = [
-        state for state in states
-        if state.finish_backward(scaler, loss_id, inv_scale, found_inf, delay_unscale)
-    ]
+    scale = PassScale(
+        loss_id=loss_id, epoch=scaler.scale_epoch, inv_scale=scaler.inv_scale(),  # the scale these gradients carry
+        unit=scaler.static_value == 1.0, checked=scaler.check_finite,
+    )
+    checked = [lifecycle for lifecycle in lifecycles if lifecycle.end_pass(scale, found_inf, delay_unscale)]
     if checked:
-        agree_on_overflow(found_inf, session.overflow_group)
-        scaler.update(found_inf)
-        for state in checked:
-            state.note_found_inf(found_inf)
-        overflow.record_pass(session, found_inf, loss_id, inv_scale, optimizer_list)  # no-op unless opted in
+        session.account_pass(loss_id, found_inf, checked, scale.inv_scale)
     if session.properties.patch_torch_functions:
         casting.clear_cache()

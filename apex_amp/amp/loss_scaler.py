@@ -87,9 +87,9 @@ class LossScaler:
         # (no multiply when it is 1.0, a read-only check instead of an unscale).
         self.static_value = None if dynamic else float(init_scale)
         self._static_inv_scale = None if dynamic else torch.full((1,), 1.0 / init_scale, device=self.device)
-        # Host count of update() calls: gradients accumulated under one value of
-        # it were all scaled by the same scale.
-        self.updates = 0
+        # Changes whenever the scale may have changed (every update()): gradients of passes in one
+        # epoch all carry the same scale, so they can be added up while still scaled.
+        self.scale_epoch = 0
         self.log = OverflowLog(
             loss_id, enabled=log_enabled, floor=min_scale,
             warn_steps=collapse_warn_steps, raise_steps=collapse_raise_steps,
@@ -118,7 +118,7 @@ class LossScaler:
         """Account for one backward pass whose gradients set ``found_inf`` (no host sync on CUDA)."""
         if not self.check_finite:
             return
-        self.updates += 1
+        self.scale_epoch += 1
         # On CPU the flag is in host memory already: reading it costs no sync, and spares the
         # int64 conversion and the log's concatenation (~7 us of ~1 ms on a small model's step).
         # Read with tolist(), as the log always read CPU values: a plain copy, no dispatched op.
@@ -204,6 +204,7 @@ class LossScaler:
         self.hysteresis_tracker.fill_(counters["hysteresis_tracker"])
         self.overflows.fill_(counters["overflows"])
         self.log.restore_floor_streak(counters["floor_overflow_streak"])
+        self.scale_epoch += 1
         if not self.dynamic:
             self.static_value = float(scale)
             self._static_inv_scale.fill_(1.0 / float(scale))

@@ -4,20 +4,28 @@ The optimizer's ``param_groups`` are edited in place so that each half model
 parameter is replaced by its fp32 master, and any state the optimizer already
 holds for the model parameter moves to the master (cast to fp32, the step
 count untouched). Parameters that are already fp32 (batchnorm under
-keep_batchnorm_fp32, layers outside the models) are their own masters.
+keep_batchnorm_fp32, layers outside the models) are their own masters: amp
+calls them *direct* parameters, because the optimizer reads their own ``.grad``.
+
+Masters start from the user's exact fp32 weights (taken before the model was
+cast). apex made its masters lazily, at the first backward pass, from the
+model's half weights, so weights changed between ``initialize`` and the first
+backward (by the user, or by DistributedDataParallel's broadcast) were picked
+up. :func:`mismatched_links` finds such changes and :func:`adopt_model_weights`
+takes them over; the gradient lifecycle does both once, before the first pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
 
 from .opt_levels import HALF_DTYPES
 
-__all__ = ["MasterLink", "attach_masters"]
+__all__ = ["MasterLink", "OptimizerParams", "attach_masters", "mismatched_links", "adopt_model_weights"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,3 +78,67 @@ def attach_masters(
             _move_state(optimizer, param, master)
             links.append(MasterLink(param, master))
     return links
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    return torch.equal(a, b) or bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def mismatched_links(links: list[MasterLink]) -> list[int]:
+    """Indices of the links whose model weight is not the rounding of its master (a host read)."""
+    with torch.no_grad():
+        return [
+            index for index, link in enumerate(links)
+            if not _same_values(link.master.to(link.model_param.dtype), link.model_param)
+        ]
+
+
+def adopt_model_weights(links: list[MasterLink]) -> None:
+    """Make each master the fp32 value of its model weight, as apex's lazily made masters were."""
+    with torch.no_grad():
+        for link in links:
+            link.master.copy_(link.model_param)
+
+
+class OptimizerParams:
+    """The parameters of one optimizer as amp sees them: master links and direct parameters.
+
+    Args:
+        links: the masters ``initialize`` attached (empty below O2).
+        make_masters: whether param groups added later get masters too (O2).
+        on_new_links: called with the links of groups added later.
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, links: list[MasterLink], make_masters: bool,
+        on_new_links: Callable[[list[MasterLink]], None],
+    ) -> None:
+        self.links: list[MasterLink] = []
+        self.model_param_of: dict[Tensor, Tensor] = {}  # master -> its half model param
+        self.direct: list[Tensor] = []  # optimizer params updated through their own .grad
+        self.ordered: list[Tensor] = []  # every optimizer param (masters and direct), in param-group order
+        self._num_groups = 0
+        self._make_masters = make_masters
+        self._on_new_links = on_new_links
+        self._add_links(links)
+        self._refresh(optimizer)
+
+    def _add_links(self, links: list[MasterLink]) -> None:
+        self.links.extend(links)
+        for link in links:
+            self.model_param_of[link.master] = link.model_param
+        self._on_new_links(links)
+
+    def _refresh(self, optimizer: torch.optim.Optimizer) -> None:
+        self._num_groups = len(optimizer.param_groups)
+        self.ordered = [p for group in optimizer.param_groups for p in group["params"]]
+        self.direct = [p for p in self.ordered if p not in self.model_param_of]
+
+    def sync(self, optimizer: torch.optim.Optimizer) -> int:
+        """Take in groups added by ``add_param_group`` since the last call; returns how many links were added."""
+        if len(optimizer.param_groups) == self._num_groups:
+            return 0
+        new_links = attach_masters(optimizer, first_group=self._num_groups) if self._make_masters else []
+        self._add_links(new_links)
+        self._refresh(optimizer)
+        return len(new_links)

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import re
 import weakref
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .distributed import agree_on_overflow
+from .gradients import GradLifecycle
 from .loss_scaler import LossScaler
 from .master_weights import MasterLink
-from .optimizer_state import OptimizerAmpState
 from .opt_levels import AmpProperties
+from .step_hooks import StepHooks
 
 __all__ = ["AmpSession", "session_for", "latest_session", "register_session", "register_models", "was_initialized"]
 
@@ -61,10 +63,16 @@ class AmpSession:
                 )
                 for loss_id in range(properties.num_losses)
             ]
-        self.optimizer_states: "weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerAmpState]" = (
+        self.lifecycles: "weakref.WeakKeyDictionary[torch.optim.Optimizer, GradLifecycle]" = weakref.WeakKeyDictionary()
+        self._master_of = WeakIdKeyDictionary()  # half model param -> fp32 master
+        # DistributedDataParallel wrappers the models ran under (noted by a forward pre-hook), and
+        # for each wrapper the lifecycles whose masters were synchronised over it (distributed.py).
+        # A list, in the order the forwards met them: every rank broadcasts in that same order.
+        self.ddp_wrappers: "list[weakref.ref[torch.nn.Module]]" = []
+        self.synced_wrappers: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet]" = (
             weakref.WeakKeyDictionary()
         )
-        self._master_of = WeakIdKeyDictionary()  # half model param -> fp32 master
+        self.overflow_recorder: Any = None  # diagnostics.overflow.OverflowRecorder when reports are on
 
     # ---- masters ------------------------------------------------------------
     def register_masters(self, links: Iterable[MasterLink]) -> None:
@@ -76,10 +84,29 @@ class AmpSession:
 
     # ---- optimizers ---------------------------------------------------------
     def add_optimizer(self, optimizer: torch.optim.Optimizer, links: list[MasterLink]) -> None:
-        self.optimizer_states[optimizer] = OptimizerAmpState(optimizer, self, links)
+        lifecycle = GradLifecycle(optimizer, self, links)
+        self.lifecycles[optimizer] = lifecycle
+        StepHooks(optimizer, self, lifecycle)  # kept alive by the hooks it registers on the optimizer
 
-    def state_of(self, optimizer: torch.optim.Optimizer) -> OptimizerAmpState:
-        return self.optimizer_states[optimizer]
+    def lifecycle_of(self, optimizer: torch.optim.Optimizer) -> GradLifecycle:
+        return self.lifecycles[optimizer]
+
+    # ---- one checked backward pass -----------------------------------------------------
+    def account_pass(
+        self, loss_id: int, found_inf: Tensor, lifecycles: Sequence[GradLifecycle], inv_scale: Tensor
+    ) -> None:
+        """The one place a checked backward pass is accounted (no host sync unless reports are on).
+
+        The ranks agree on its flag, its loss's scale is updated (and an overflow logged), each
+        optimizer whose gradients it checked notes the flag for its next step, and an overflow
+        report is recorded when the user asked for them.
+        """
+        agree_on_overflow(found_inf, self.overflow_group)
+        self.scalers[loss_id].update(found_inf)
+        for lifecycle in lifecycles:
+            lifecycle.note_found_inf(found_inf)
+        if self.overflow_recorder is not None:
+            self.overflow_recorder.record(found_inf, loss_id, inv_scale, lifecycles)
 
     def flush_logs(self, block: bool = False, check_collapse: bool = False) -> None:
         for scaler in self.scalers:

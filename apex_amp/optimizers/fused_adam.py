@@ -111,10 +111,17 @@ class FusedAdam(torch.optim.Optimizer):
         self.set_grad_none = bool(set_grad_none)
         self.capturable = bool(capturable)
         self.master_weights = bool(master_weights)
+        # amp keeps gradients it left scaled for this optimizer's fused step off the params, where
+        # zero_grad cannot reach them: it follows these two to clear them as zero_grad would have.
+        self.zero_grad_calls = 0
+        self.last_zero_grad_set_to_none = True
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Clear gradients: to None when ``set_to_none`` (default: the ``set_grad_none`` flag), else to 0."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+        set_to_none = self.set_grad_none if set_to_none is None else bool(set_to_none)
+        super().zero_grad(set_to_none=set_to_none)
+        self.zero_grad_calls += 1
+        self.last_zero_grad_set_to_none = set_to_none
 
     def _shared_step(self, params: list[Tensor], device: torch.device) -> Tensor:
         # One step tensor per group and device, referenced by every param's state.

@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import weakref
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -28,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
+    from ..gradients import GradLifecycle
     from ..state import AmpSession
 
 __all__ = ["NonFiniteGrad", "OverflowReport", "last_overflow", "overflow_reports"]
@@ -35,9 +35,6 @@ __all__ = ["NonFiniteGrad", "OverflowReport", "last_overflow", "overflow_reports
 logger = logging.getLogger("apex_amp")
 
 HISTORY = 64  # reports kept per session; older ones are dropped
-
-# session -> its recorder; a session without one has reports off.
-_RECORDERS: "weakref.WeakKeyDictionary[AmpSession, OverflowRecorder]" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,51 +82,27 @@ class OverflowReport:
 
 
 class OverflowRecorder:
-    """Names of the parameters, optimizer step counts and the reports of one session."""
+    """Names of the parameters and the reports of one session."""
 
-    def __init__(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def __init__(self, models: Sequence[nn.Module]) -> None:
         self.names = WeakIdKeyDictionary()
         for index, model in enumerate(models):
             prefix = f"model{index}." if len(models) > 1 else ""
             for name, param in model.named_parameters(remove_duplicate=False):
                 self.names.setdefault(param, prefix + name)
-        self.steps: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
-        for optimizer in optimizers:
-            self.steps[optimizer] = 0
-            optimizer.register_step_post_hook(self._count_step)
         self.reports: collections.deque[OverflowReport] = collections.deque(maxlen=HISTORY)
 
-    def _count_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        self.steps[optimizer] = self.steps.get(optimizer, 0) + 1
-
-    def _grads(self, session: "AmpSession", optimizer: torch.optim.Optimizer) -> list[tuple[str, Tensor]]:
-        # The gradients the step would consume: a master's (O2, unscaled), or its
-        # half model parameter's (left scaled for a fused step); inf and NaN survive both.
-        model_param_of = session.state_of(optimizer).model_param_of
-        found = []
-        for g_index, group in enumerate(optimizer.param_groups):
-            for p_index, param in enumerate(group["params"]):
-                named = model_param_of.get(param, param)
-                grad = param.grad if param.grad is not None else named.grad
-                if grad is None:
-                    continue
-                name = self.names.get(named)
-                if name is None:
-                    name = f"param_groups[{g_index}]['params'][{p_index}]"
-                found.append((name, grad))
-        return found
-
     def record(
-        self,
-        session: "AmpSession",
-        found_inf: Tensor,
-        loss_id: int,
-        inv_scale: Tensor,
-        optimizers: Sequence[torch.optim.Optimizer],
+        self, found_inf: Tensor, loss_id: int, inv_scale: Tensor, lifecycles: Sequence["GradLifecycle"]
     ) -> None:
+        """Called by ``AmpSession.account_pass`` after each checked pass: counts the non-finite values on overflow."""
         if not bool(found_inf.item()):  # the opt-in host read
             return
-        grads = [item for optimizer in optimizers for item in self._grads(session, optimizer)]
+        grads = []
+        for lifecycle in lifecycles:
+            for index, (param, grad) in enumerate(lifecycle.pending_grads()):
+                name = self.names.get(param)
+                grads.append((name if name is not None else f"params[{index}]", grad))
         params: list[NonFiniteGrad] = []
         if grads:
             device = found_inf.device
@@ -141,7 +114,7 @@ class OverflowRecorder:
                 for (name, grad), (inf, nan) in zip(grads, counts) if inf or nan
             ]
         report = OverflowReport(
-            step=self.steps.get(optimizers[0], 0),
+            step=lifecycles[0].steps,
             loss_id=loss_id,
             loss_scale=1.0 / float(inv_scale.reshape(-1)[0].item()),
             params=tuple(params),
@@ -150,22 +123,9 @@ class OverflowRecorder:
         logger.debug("%s", report)
 
 
-def enable(session: "AmpSession", models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def enable(session: "AmpSession", models: Sequence[nn.Module]) -> None:
     """Turn overflow reports on for ``session`` (called by ``amp.initialize(..., overflow_report=True)``)."""
-    _RECORDERS[session] = OverflowRecorder(models, optimizers)
-
-
-def record_pass(
-    session: "AmpSession",
-    found_inf: Tensor,
-    loss_id: int,
-    inv_scale: Tensor,
-    optimizers: Sequence[torch.optim.Optimizer],
-) -> None:
-    """Called by ``scale_loss`` after each checked pass: nothing at all unless reports are on."""
-    recorder = _RECORDERS.get(session)
-    if recorder is not None:
-        recorder.record(session, found_inf, loss_id, inv_scale, optimizers)
+    session.overflow_recorder = OverflowRecorder(models)
 
 
 def _recorder(optimizer: Optional[torch.optim.Optimizer], caller: str) -> OverflowRecorder:
@@ -176,7 +136,7 @@ def _recorder(optimizer: Optional[torch.optim.Optimizer], caller: str) -> Overfl
         what = ("amp.initialize was never called" if optimizer is None
                 else "this optimizer was never passed to amp.initialize")
         raise RuntimeError(f"amp.{caller}: {what}; call amp.initialize(model, optimizer, overflow_report=True) first")
-    recorder = _RECORDERS.get(session)
+    recorder = session.overflow_recorder
     if recorder is None:
         raise RuntimeError(
             f"amp.{caller}: overflow reports are off (they cost a host read per backward pass); "

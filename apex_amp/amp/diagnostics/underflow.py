@@ -142,7 +142,7 @@ def _count(grad: Tensor, scale: float, flush: float, overflow: float) -> Tensor:
 
 def _named_grads(source: Union[nn.Module, torch.optim.Optimizer]) -> list[tuple[str, Tensor]]:
     from ..frontend import master_params
-    from ..optimizer_state import GradState
+    from ..gradients import GradState
     from ..state import latest_session, session_for
 
     if isinstance(source, torch.optim.Optimizer):
@@ -155,13 +155,12 @@ def _named_grads(source: Union[nn.Module, torch.optim.Optimizer]) -> list[tuple[
         raise TypeError(f"underflow_report expects a torch.nn.Module or an optimizer, got {type(source).__name__}")
     session = latest_session()
     if session is not None and session.enabled:
-        for state in session.optimizer_states.values():
-            if state.grad_state is GradState.DELAYED:
+        for lifecycle in session.lifecycles.values():
+            if lifecycle.state is GradState.DELAYED:
                 raise RuntimeError("underflow_report: the gradients are still scaled by "
                                    "amp.scale_loss(..., delay_unscale=True); call it after a pass with "
                                    "delay_unscale=False")
-            if state.grad_state is GradState.SCALED:
-                state.unscale_pending()  # left scaled for a fused step: unscale, as amp.master_params does
+            lifecycle.settle()  # kept scaled for a fused step: unscale, as amp.master_params does
     found = []
     for name, param in source.named_parameters():
         master = session.master_of(param) if session is not None and session.enabled else None

@@ -1,0 +1,531 @@
+"""The gradient lifecycle of one optimizer: one state machine, every transition in this file.
+
+How amp handles gradients
+-------------------------
+``amp.scale_loss`` multiplies the loss by the loss scale, so the backward pass
+writes *scaled* gradients. Under O2 the model is half and its optimizer holds
+fp32 *masters* instead of the model's parameters (``master_weights.py``);
+parameters without a master (fp32 batchnorm under O2, every parameter at
+O0/O1/O3) are *direct*: the optimizer reads their own ``.grad``.
+
+The model's gradients are the source of truth. When a ``scale_loss`` block
+exits, the gradients its backward pass wrote are checked for inf/NaN and
+either
+
+* **unscaled** into fp32: into the masters' ``.grad`` (O2) or in place
+  (direct), added to what an earlier pass since the last step left there, so
+  several passes with different losses and scales add up; or
+* **kept scaled** for an optimizer that unscales as it reads (FusedAdam takes
+  ``inv_scale``): a half model gradient is then moved off the model into this
+  object, so that nothing the user does to the model (``model.zero_grad()``,
+  another loss's backward through the same layers) changes it before the step.
+
+A step, taken or skipped, **consumes** the gradients of the passes since the
+previous step: afterwards no master holds a gradient. The masters are not
+model parameters, so ``model.zero_grad()`` never reaches them; because the
+step consumes them, clearing gradients where training loops do (before the
+forward pass or after the step) through the model, through the optimizer, by
+``p.grad = None``, or not clearing the masters at all gives the same next
+step. Direct parameters keep their ``.grad`` after a step, as in PyTorch.
+
+Between a ``scale_loss`` exit and the step, amp has taken that pass's
+gradients in (into the masters' ``.grad``, or held for the fused step), so
+clearing the model's gradients there does not discard them, as in apex;
+``optimizer.zero_grad()`` does, as in PyTorch (FusedAdam counts its
+``zero_grad`` calls so that held gradients follow). The gradients of a
+``delay_unscale=True`` pass are not taken in until a pass without it: they
+stay on the model, scaled.
+
+The overflow flag of a pass covers everything the next step will consume:
+the new gradients, and the sums they were added to unless an earlier pass
+since the last step already reported those. So a step is skipped exactly when
+a pass since the previous step reported an overflow (``step_found_inf`` is
+the OR of those flags), and that pass's scaler backed off and logged it.
+
+States (``GradState``) and transitions (``_TRANSITIONS``; ``_move`` is the
+only writer of ``state``)::
+
+    EMPTY ──begin_pass──> IN_PASS ──end_pass──> UNSCALED | SCALED | DELAYED
+      │                     └──abort_pass──> (the state before begin_pass)
+      └──before_step──> IN_STEP ──after_step──> EMPTY | SPENT
+    UNSCALED ──begin_pass──> IN_PASS          UNSCALED ──before_step──> IN_STEP
+    SCALED ──settle──> UNSCALED               SCALED ──before_step──> IN_STEP
+    DELAYED ──begin_pass (same loss and scale)──> IN_PASS
+    DELAYED ──settle──> UNSCALED              (a step from DELAYED is an error)
+    SPENT ──settle──> EMPTY
+    IN_STEP ──(the step raised; next event)──> the state before before_step
+
+``begin_pass`` and ``before_step`` settle SCALED, SPENT and a DELAYED
+accumulation of another loss or scale first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import weakref
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import _multi_tensor as mt
+from .master_weights import MasterLink, OptimizerParams, adopt_model_weights, mismatched_links
+
+if TYPE_CHECKING:
+    from .state import AmpSession
+
+__all__ = ["GradState", "PassScale", "GradLifecycle", "settle_for_pass"]
+
+logger = logging.getLogger("apex_amp")
+
+
+class GradState(enum.Enum):
+    EMPTY = "no amp gradients since the last step"
+    IN_PASS = "a scale_loss block is open: its backward pass writes new scaled gradients"
+    UNSCALED = "the gradients since the last step hold their true values"
+    SCALED = "one checked pass, still scaled, kept for a step that unscales as it reads (FusedAdam)"
+    DELAYED = "unchecked scaled sums of delay_unscale=True passes of one loss at one scale"
+    IN_STEP = "optimizer.step() is running between amp's step hooks"
+    SPENT = "a step consumed SCALED gradients; direct parameters' .grad still carry the scale"
+
+
+_S = GradState
+_TRANSITIONS: dict[GradState, frozenset[GradState]] = {
+    _S.EMPTY: frozenset({_S.IN_PASS, _S.IN_STEP}),
+    _S.IN_PASS: frozenset({_S.UNSCALED, _S.SCALED, _S.DELAYED, _S.EMPTY}),  # EMPTY/UNSCALED/DELAYED: aborted
+    _S.UNSCALED: frozenset({_S.IN_PASS, _S.IN_STEP}),
+    _S.SCALED: frozenset({_S.UNSCALED, _S.IN_STEP}),
+    _S.DELAYED: frozenset({_S.IN_PASS, _S.UNSCALED}),
+    _S.IN_STEP: frozenset({_S.EMPTY, _S.SPENT, _S.UNSCALED, _S.SCALED}),  # UNSCALED/SCALED: the step raised
+    _S.SPENT: frozenset({_S.EMPTY}),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PassScale:
+    """The scale the gradients of one backward pass carry."""
+
+    loss_id: int
+    epoch: int  # the loss scaler's scale epoch: passes of one loss in one epoch carry the same scale
+    inv_scale: Tensor  # one-element float32 device tensor
+    unit: bool  # the static scale 1.0: nothing to multiply
+    checked: bool  # check for inf/NaN (and skip the step on overflow)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.loss_id, self.epoch)
+
+
+@dataclasses.dataclass
+class _OpenPass:
+    resumes: GradState  # where abort_pass returns
+    stash: list[Optional[Tensor]]  # the direct params' .grad from before the pass
+    continues_delayed: bool  # the backward adds to DELAYED gradients in place
+
+
+@dataclasses.dataclass
+class _OpenStep:
+    resumes: GradState  # where an interrupted step returns
+    hidden: list[tuple[Tensor, Tensor]]  # (param, grad) hidden from a skipped non-fused step
+    undo: Optional[Callable[[], None]]  # the step hooks' own clean-up, should the step raise
+
+
+class GradLifecycle:
+    """The gradients of one optimizer between its steps (never stored on the optimizer).
+
+    Args:
+        optimizer: the user's optimizer (masters already attached under O2).
+        session: the ``AmpSession`` that owns this object.
+        links: the masters ``initialize`` attached.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, session: "AmpSession", links: list[MasterLink]) -> None:
+        self.session = session
+        self._optimizer = weakref.ref(optimizer)
+        # FusedAdam-like: step() takes found_inf / inv_scale / model_params and decides on the device.
+        self.takes_step_kwargs = bool(getattr(type(optimizer), "_apex_amp_step_kwargs", False))
+        self.params = OptimizerParams(
+            optimizer, links, make_masters=bool(session.properties.master_weights), on_new_links=session.register_masters
+        )
+        self.state = GradState.EMPTY
+        self.steps = 0  # optimizer.step() calls, taken or skipped
+        self.kept_scale: Optional[PassScale] = None  # SCALED, DELAYED, SPENT: the scale the kept gradients carry
+        self.held: dict[Tensor, Tensor] = {}  # SCALED: master -> its model param's scaled gradient
+        self._zero_grad_calls: Optional[int] = None  # SCALED: the optimizer's zero_grad count when held was filled
+        self.step_found_inf: Optional[Tensor] = None  # OR of the checked passes' flags since the last step
+        self.last_step_found_inf: Optional[Tensor] = None
+        self._masters_reconciled = False
+        self._open_pass: Optional[_OpenPass] = None
+        self._open_step: Optional[_OpenStep] = None
+
+    # ---- the one writer of `state` ------------------------------------------------
+    def _move(self, to: GradState) -> None:
+        if to not in _TRANSITIONS[self.state]:
+            raise RuntimeError(
+                f"apex_amp internal error: no gradient transition {self.state.name} -> {to.name}; please report "
+                "this with the sequence of amp calls that led to it"
+            )
+        self.state = to
+
+    # ---- queries --------------------------------------------------------------------
+    def must_settle_before(self, key: tuple[int, int]) -> bool:
+        """Whether a pass with scale ``key`` must first turn the kept gradients into true values."""
+        if self.state is GradState.DELAYED:
+            return self.kept_scale.key != key
+        return self.state in (GradState.SCALED, GradState.SPENT)
+
+    def has_new_grads(self) -> bool:
+        """Whether the open pass's backward reached a parameter of this optimizer."""
+        if self._open_pass is not None and self._open_pass.continues_delayed:
+            return True  # added in place: new and old gradients are indistinguishable
+        return bool(self._new_grads())
+
+    def pending_grads(self) -> list[tuple[Tensor, Tensor]]:
+        """(parameter as the model knows it, gradient) of every gradient the next step consumes, in optimizer order.
+
+        Masters are named by their model parameter; a SCALED or DELAYED gradient is still scaled.
+        """
+        found = []
+        for param in self.params.ordered:
+            model_param = self.params.model_param_of.get(param)
+            grad = param.grad
+            if grad is None and model_param is not None:
+                grad = self.held.get(param, model_param.grad)
+            if grad is not None:
+                found.append((param if model_param is None else model_param, grad))
+        return found
+
+    def _new_grads(self) -> list[Tensor]:
+        grads = [p.grad for p in self.params.direct if p.grad is not None]
+        grads += [link.model_param.grad for link in self.params.links if link.model_param.grad is not None]
+        return grads
+
+    def _holds_grads(self) -> bool:
+        return (
+            bool(self.held)
+            or any(p.grad is not None for p in self.params.direct)
+            or any(link.master.grad is not None for link in self.params.links)
+        )
+
+    # ---- around a backward pass ----------------------------------------------------
+    def begin_pass(self, key: tuple[int, int], local_accumulation: bool) -> None:
+        """``scale_loss`` entry: stash the gradients already there so the backward writes fresh ones.
+
+        Args:
+            key: (loss_id, scale epoch) of the pass (after ``settle_for_pass``).
+            local_accumulation: DDP ``no_sync()``: this pass's gradients must stay scaled in place.
+        """
+        self._recover_interrupted_step()
+        if self.state is GradState.IN_PASS:
+            raise RuntimeError(
+                "amp.scale_loss was entered for an optimizer whose previous amp.scale_loss block has not exited; "
+                "run one backward pass per block, one block after the other"
+            )
+        self.sync_params()
+        self._reconcile_masters_once()
+        if self.state is GradState.DELAYED and self.kept_scale.key == key:
+            self._open_pass = _OpenPass(GradState.DELAYED, [], continues_delayed=True)
+            self._move(GradState.IN_PASS)
+            return
+        self.settle()
+        if local_accumulation and self._holds_grads():
+            raise RuntimeError(
+                "amp.scale_loss under DistributedDataParallel.no_sync() found gradients it cannot accumulate "
+                "in place (zeroed rather than set to None, left by another loss_id, or from a pass with a "
+                "different loss scale); merging them would leave rank-local values out of DDP's all-reduce. "
+                "Call optimizer.zero_grad(set_to_none=True) before the first no_sync pass and use one loss_id "
+                "per accumulated step"
+            )
+        stash = [p.grad for p in self.params.direct]
+        for p in self.params.direct:
+            p.grad = None
+        for link in self.params.links:
+            # Half gradients left by a backward outside this optimizer's passes (another loss through
+            # the same layers): not this optimizer's; the masters hold what its passes produced.
+            link.model_param.grad = None
+        self._open_pass = _OpenPass(self.state, stash, continues_delayed=False)
+        self._move(GradState.IN_PASS)
+
+    def abort_pass(self) -> None:
+        """The ``scale_loss`` block raised: drop the partial new gradients, put the stashed ones back."""
+        opened, self._open_pass = self._open_pass, None
+        if not opened.continues_delayed:
+            for p, old in zip(self.params.direct, opened.stash):
+                p.grad = old
+            for link in self.params.links:
+                link.model_param.grad = None
+        self._move(opened.resumes)
+
+    def end_pass(self, scale: PassScale, found_inf: Tensor, delay_unscale: bool) -> bool:
+        """``scale_loss`` exit: check, unscale and add up the new gradients; returns whether ``found_inf`` covers them.
+
+        ``found_inf`` is the pass's flag: the caller accounts it (``AmpSession.account_pass``) when this returns True.
+        """
+        opened, self._open_pass = self._open_pass, None
+        stash = [None] * len(self.params.direct) if opened.continues_delayed else opened.stash
+        has_old = any(s is not None for s in stash) or any(link.master.grad is not None for link in self.params.links)
+        if delay_unscale and not has_old:
+            self.kept_scale = scale
+            self._move(GradState.DELAYED)
+            return False
+        if self.takes_step_kwargs and not has_old:
+            if scale.checked:
+                mt.check_finite(self._new_grads(), found_inf)
+            self.held = {}
+            for link in self.params.links:
+                if link.model_param.grad is not None:
+                    self.held[link.master] = link.model_param.grad
+                    link.model_param.grad = None
+            self._zero_grad_calls = getattr(self._optimizer(), "zero_grad_calls", None)
+            self.kept_scale = scale
+            self._move(GradState.SCALED)
+            return scale.checked
+        self._absorb(stash, scale, found_inf)
+        self.kept_scale = None
+        self._move(GradState.UNSCALED)
+        return scale.checked
+
+    def note_found_inf(self, found_inf: Tensor) -> None:
+        """Add an accounted pass's flag to the next step's (no host sync)."""
+        if self.step_found_inf is None:
+            self.step_found_inf = found_inf.clone()  # private: the scaler reuses its flag buffer
+        else:
+            torch.maximum(self.step_found_inf, found_inf.to(self.step_found_inf.device), out=self.step_found_inf)
+
+    def settle(self) -> None:
+        """Turn kept scaled gradients into true values: SCALED/DELAYED -> UNSCALED, SPENT -> EMPTY.
+
+        A DELAYED accumulation was never checked: its pass is accounted now, for its own loss.
+        Called before a pass of another scale, by ``amp.master_params`` (clipping needs true values)
+        and by the diagnostics; a no-op in the other states.
+        """
+        self._recover_interrupted_step()
+        kept = self.kept_scale
+        if self.state is GradState.SPENT:
+            grads = [p.grad for p in self.params.direct if p.grad is not None]
+            if grads and not kept.unit:
+                mt.unscale_(grads, self._scratch_flag(), kept.inv_scale)  # checked by their own pass
+            self.kept_scale = None
+            self._move(GradState.EMPTY)
+            return
+        if self.state is GradState.SCALED:
+            self._follow_zero_grad()
+            for master, grad in self.held.items():
+                self.params.model_param_of[master].grad = grad
+            self.held = {}
+            self._absorb([None] * len(self.params.direct), kept, self._scratch_flag())  # checked at end_pass
+            self.kept_scale = None
+            self._move(GradState.UNSCALED)
+            return
+        if self.state is GradState.DELAYED:
+            found_inf = self._scratch_flag()
+            self._absorb([None] * len(self.params.direct), kept, found_inf)
+            self.kept_scale = None
+            self._move(GradState.UNSCALED)
+            if kept.checked:
+                self.session.account_pass(kept.loss_id, found_inf, [self], kept.inv_scale)
+
+    def _scratch_flag(self) -> Tensor:
+        return torch.zeros(1, device=self.session.device)
+
+    def _absorb(self, stash: Sequence[Optional[Tensor]], scale: PassScale, found_inf: Tensor) -> None:
+        # The new gradients (direct params' and half model params' .grad) become true values, added to
+        # the stashed direct gradients and to the masters' .grad.
+        fresh, new, old = [], [], []
+        for p, stashed in zip(self.params.direct, stash):
+            grad = p.grad
+            if grad is None:
+                p.grad = stashed
+            elif stashed is None:
+                fresh.append(grad)
+            else:
+                new.append(grad)
+                old.append(stashed)
+                p.grad = stashed
+        if fresh:
+            if not scale.unit:
+                mt.unscale_(fresh, found_inf, scale.inv_scale)
+            elif scale.checked:
+                mt.check_finite(fresh, found_inf)  # read-only: half the traffic of an unscale by 1
+        src, dst = [], []
+        for link in self.params.links:
+            grad = link.model_param.grad
+            if grad is None:
+                continue
+            if link.master.grad is None:
+                link.master.grad = torch.empty_like(link.master)
+                src.append(grad)
+                dst.append(link.master.grad)
+            else:
+                new.append(grad)
+                old.append(link.master.grad)
+            link.model_param.grad = None
+        if src:
+            mt.scale_(src, dst, scale.inv_scale, found_inf)
+        if new:
+            self._accumulate(new, old, scale, found_inf)
+
+    def _accumulate(self, new: list[Tensor], old: list[Tensor], scale: PassScale, found_inf: Tensor) -> None:
+        # old += inv_scale * new. The pass's flag covers the new gradients, and the sums too unless an
+        # earlier pass since the last step reported them (its inf would otherwise back off every later
+        # loss's scale as well). Without an earlier checked pass, one axpby_ flags both.
+        earlier = self.step_found_inf
+        if not scale.checked or earlier is None:
+            mt.axpby_(new, old, scale.inv_scale, 1.0, found_inf)
+            return
+        mt.check_finite(new, found_inf)
+        sum_found_inf = self._scratch_flag()
+        mt.axpby_(new, old, scale.inv_scale, 1.0, sum_found_inf)
+        unreported = sum_found_inf * (1.0 - earlier.to(sum_found_inf.device))
+        torch.maximum(found_inf, unreported.to(found_inf.device), out=found_inf)
+
+    # ---- around optimizer.step() ---------------------------------------------------------
+    def before_step(self, undo: Optional[Callable[[], None]]) -> Optional[dict]:
+        """The step pre-hook's part: what the step gets, and the skip of a non-fused step.
+
+        Returns the extra keyword arguments of a ``takes_step_kwargs`` optimizer's step (None for
+        others, whose skip is decided here on the host). ``undo`` runs if the step raises.
+        """
+        self._recover_interrupted_step()
+        if self.state is GradState.IN_PASS:
+            raise RuntimeError(
+                "optimizer.step() was called inside an amp.scale_loss block; call it after the block exits, "
+                "when the gradients have been checked and unscaled"
+            )
+        if self.state is GradState.DELAYED:
+            raise RuntimeError(
+                "optimizer.step() was called while the gradients are still scaled by "
+                "amp.scale_loss(..., delay_unscale=True); the last backward pass before a step must use "
+                "delay_unscale=False so that the accumulated gradients are checked and unscaled"
+            )
+        self.sync_params()
+        self._reconcile_masters_once()
+        if self.state is GradState.SPENT:
+            self.settle()  # leftover scaled direct gradients must not reach the step scaled
+        found_inf = self.step_found_inf
+        hidden: list[tuple[Tensor, Tensor]] = []
+        step_kwargs = None
+        if self.takes_step_kwargs:
+            step_kwargs = {}
+            if found_inf is not None:
+                step_kwargs["found_inf"] = found_inf
+            if self.state is GradState.SCALED:
+                self._follow_zero_grad()
+                for master, grad in self.held.items():  # where the fused step reads them
+                    self.params.model_param_of[master].grad = grad
+                if not self.kept_scale.unit:
+                    step_kwargs["inv_scale"] = self.kept_scale.inv_scale
+            if self.params.links:
+                step_kwargs["model_params"] = self.params.model_param_of
+        elif found_inf is not None and bool(found_inf.item()):  # the one host sync of non-fused optimizers
+            # torch optimizers skip parameters without a gradient: weights, moments, step counts untouched.
+            for p in self.params.ordered:
+                if p.grad is not None:
+                    hidden.append((p, p.grad))
+                    p.grad = None
+        self._open_step = _OpenStep(self.state, hidden, undo)
+        self._move(GradState.IN_STEP)
+        return step_kwargs
+
+    def after_step(self) -> bool:
+        """The step post-hook's part: the step consumed the gradients. Returns whether it was skipped on the host."""
+        opened, self._open_step = self._open_step, None
+        for p, grad in opened.hidden:
+            p.grad = grad
+        for link in self.params.links:
+            link.master.grad = None
+            link.model_param.grad = None
+        self.held = {}
+        self.last_step_found_inf, self.step_found_inf = self.step_found_inf, None
+        self.steps += 1
+        if opened.resumes is GradState.SCALED and not self.kept_scale.unit and any(
+            p.grad is not None for p in self.params.direct
+        ):
+            self._move(GradState.SPENT)
+        else:
+            self.kept_scale = None
+            self._move(GradState.EMPTY)
+        return bool(opened.hidden)
+
+    def _recover_interrupted_step(self) -> None:
+        # optimizer.step() raised between the hooks: undo what before_step did.
+        if self.state is not GradState.IN_STEP:
+            return
+        opened, self._open_step = self._open_step, None
+        for p, grad in opened.hidden:
+            p.grad = grad
+        if opened.resumes is GradState.SCALED:
+            for master in self.held:
+                self.params.model_param_of[master].grad = None
+        if opened.undo is not None:
+            opened.undo()
+        self._move(opened.resumes)
+
+    def step_was_skipped(self) -> bool:
+        """Whether the last step was skipped (a host read)."""
+        flag = self.last_step_found_inf
+        return flag is not None and bool(flag.item())
+
+    def _follow_zero_grad(self) -> None:
+        # optimizer.zero_grad() between scale_loss and the step clears the gradients amp took in
+        # (the masters' .grad of a torch optimizer). Gradients held for a fused step are not on the
+        # params, so FusedAdam counts its zero_grad calls for amp to follow.
+        optimizer = self._optimizer()
+        calls = getattr(optimizer, "zero_grad_calls", None)
+        if calls is None or calls == self._zero_grad_calls:
+            return
+        self._zero_grad_calls = calls
+        if optimizer.last_zero_grad_set_to_none:
+            self.held = {}
+        else:
+            for grad in self.held.values():
+                grad.zero_()
+
+    # ---- parameters -------------------------------------------------------------------
+    def sync_params(self) -> None:
+        """Take in param groups added since ``initialize`` (``add_param_group``)."""
+        self.params.sync(self._optimizer())
+
+    def _reconcile_masters_once(self) -> None:
+        # apex made its masters at the first backward, from the model's weights as they were then:
+        # weights changed after initialize (a user's init or load, DDP's broadcast) were kept.
+        if self._masters_reconciled:
+            return
+        self._masters_reconciled = True
+        links = self.params.links
+        changed = mismatched_links(links) if links else []
+        if not changed:
+            return
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and (
+            torch.distributed.get_world_size() > 1
+        ):
+            raise RuntimeError(
+                f"rank {torch.distributed.get_rank()}: {len(changed)} model weights are not the rounding of "
+                f"amp's fp32 master weights (the first is master index {changed[0]}). amp.initialize made the "
+                "masters from this rank's own weights, and the weights were changed since (DistributedDataParallel "
+                "broadcasts rank 0's weights into the model; amp follows that by itself unless the wrapper runs "
+                "its Python reducer). Build the model from the same seed on every rank, or call "
+                "amp.sync_masters(ddp_model, optimizer) after wrapping, or pass model=ddp_model to amp.scale_loss"
+            )
+        adopt_model_weights([links[index] for index in changed])
+        logger.info(
+            "amp: %d model weights were changed after amp.initialize; their fp32 masters now start from them",
+            len(changed),
+        )
+
+
+def settle_for_pass(lifecycles: Sequence[GradLifecycle], current_key: Callable[[], tuple[int, int]]) -> None:
+    """Before a pass: settle every lifecycle that cannot add to its kept gradients in place.
+
+    Settling a DELAYED accumulation updates its loss's scale, which can change the key of
+    this very pass, so this repeats until no lifecycle needs it.
+    """
+    while True:
+        key = current_key()
+        stale = [lifecycle for lifecycle in lifecycles if lifecycle.must_settle_before(key)]
+        if not stale:
+            return
+        for lifecycle in stale:
+            lifecycle.settle()
