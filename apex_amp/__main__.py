@@ -15,12 +15,14 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
+import torch
+
+from apex_amp import _build_report, amp
+
 __all__ = ["main"]
 
 
 def _report(args: argparse.Namespace) -> int:
-    from apex_amp import _build_report
-
     info = _build_report.collect()
     print(json.dumps(info, indent=2) if args.json else _build_report.format_report(info))
     if not (args.require_extension or args.require_cuda):
@@ -37,8 +39,6 @@ class _SpecError(ValueError):
 
 def _load_model(spec: str) -> Any:
     """The ``nn.Module`` named by ``module:attribute`` (an instance, or a callable returning one)."""
-    import torch
-
     module_name, colon, attribute = spec.partition(":")
     if not colon or not module_name or not attribute:
         raise _SpecError(f"expected MODULE:FACTORY (e.g. mypkg.models:build_model), got {spec!r}")
@@ -68,10 +68,6 @@ def _load_model(spec: str) -> Any:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    import torch
-
-    from apex_amp import amp
-
     try:
         model = _load_model(args.spec)
     except _SpecError as error:

@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from . import __version__
+from ._extension import STATUS
+
 __all__ = ["collect", "format_report", "problems"]
 
 OP_NAMESPACE = "apex_amp"
@@ -55,12 +58,9 @@ def _gpus() -> list[str]:
 
 def collect() -> dict[str, Any]:
     """The facts the report shows, as a plain dict (keys stable for scripts)."""
-    import apex_amp
-    from apex_amp._extension import STATUS
-
     module = STATUS.module
     return {
-        "apex_amp_version": getattr(apex_amp, "__version__", "unknown"),
+        "apex_amp_version": __version__,
         "extension_loaded": STATUS.loaded,
         "extension_reason": STATUS.reason,
         "extension_path": getattr(module, "__file__", None),

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from apex_amp import amp
-from apex_amp.amp import state
+from apex_amp.amp import sessions
 from apex_amp.optimizers import FusedAdam
 
 from _trees import assert_same  # noqa: F401  (re-exported for the misuse tests)
@@ -76,7 +76,7 @@ def snapshot(models=(), optimizers=()):
                        for name, p in model.named_parameters()},
             "buffers": {name: b.clone() for name, b in model.named_buffers()},
             "hooks": (len(model._forward_pre_hooks), len(model._forward_hooks), len(model._state_dict_hooks)),
-            "initialized": state.was_initialized(model),
+            "initialized": sessions.was_initialized(model),
         })
     for optimizer in optimizers:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -86,9 +86,9 @@ def snapshot(models=(), optimizers=()):
                        for p in params],
             "state": [clone_tree(optimizer.state.get(p, {})) for p in params],
             "hooks": (len(optimizer._optimizer_step_pre_hooks), len(optimizer._optimizer_step_post_hooks)),
-            "session": id(state.session_for(optimizer)),
+            "session": id(sessions.session_for(optimizer)),
         })
-    if state.latest_session() is not None:
+    if sessions.latest_session() is not None:
         snap["amp"] = amp.state_dict()
     return snap
 

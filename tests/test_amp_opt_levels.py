@@ -160,15 +160,6 @@ def test_scale_loss_with_unknown_optimizer_raises():
             pass
 
 
-def test_scale_loss_before_initialize_raises(monkeypatch):
-    from apex_amp.amp import state
-
-    monkeypatch.setattr(state, "_LATEST", None)
-    with pytest.raises(RuntimeError, match="scale_loss was called before amp.initialize"):
-        with amp.scale_loss(torch.ones(()), sgd(small_model())):
-            pass
-
-
 def test_loss_id_out_of_range_raises():
     model = small_model()
     optimizer = sgd(model)

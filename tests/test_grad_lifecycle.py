@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from apex_amp import amp
 from apex_amp.amp.gradients import _TRANSITIONS, GradLifecycle, GradState
-from apex_amp.amp.state import session_for
+from apex_amp.amp.sessions import session_for
 from apex_amp.optimizers import FusedAdam
 
 S = GradState

@@ -13,7 +13,12 @@ tests/test_misuse_setups.py.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +26,7 @@ from torch import nn
 
 from _misuse import assert_same, batch, clone_tree, o2_trained, sgd, small_model, snapshot, train_step
 from apex_amp import amp
-from apex_amp.amp import casting, state
+from apex_amp.amp import casting, sessions
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -135,13 +140,13 @@ def test_initialize_rejects_bad_arguments_and_touches_nothing(build, error, mess
     model_list = [m for m in (models if isinstance(models, list) else [models]) if isinstance(m, nn.Module)]
     optimizer_list = [o for o in (optimizers if isinstance(optimizers, list) else [optimizers])
                       if isinstance(o, torch.optim.Optimizer)]
-    latest = state.latest_session()
+    latest = sessions.latest_session()
     before = snapshot(model_list, optimizer_list)
     kwargs.setdefault("verbosity", 0)
     with pytest.raises(error, match=message):
         amp.initialize(models, optimizers, **kwargs)
     assert_same(before, snapshot(model_list, optimizer_list))
-    assert state.latest_session() is latest and not casting.is_active()
+    assert sessions.latest_session() is latest and not casting.is_active()
 
 
 @pytest.mark.parametrize(("call", "error", "message"), [
@@ -170,28 +175,43 @@ def test_initialize_with_an_empty_optimizer_list_returns_it():
 
 
 # ==== 2. calls in the wrong order ==============================================================
-@pytest.fixture
-def no_initialize_yet(monkeypatch):
-    monkeypatch.setattr(state, "_LATEST", None)
-
-
-@pytest.mark.parametrize("call", [
-    pytest.param(lambda m, o: amp.scale_loss(m(batch()).sum(), o).__enter__(), id="scale_loss"),
-    pytest.param(lambda m, o: amp.master_params(o), id="master_params"),
-    pytest.param(lambda m, o: amp.state_dict(), id="state_dict"),
-    pytest.param(lambda m, o: amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}}),
-                 id="load_state_dict"),
-    pytest.param(lambda m, o: amp.loss_scale(), id="loss_scale"),
-    pytest.param(lambda m, o: amp.step_was_skipped(o), id="step_was_skipped"),
-])
-def test_amp_calls_before_initialize_raise_and_say_what_to_call_first(no_initialize_yet, call):
+BEFORE_INITIALIZE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from _misuse import assert_same, batch, sgd, small_model, snapshot
+from apex_amp import amp
+calls = {
+    "scale_loss": lambda m, o: amp.scale_loss(m(batch()).sum(), o).__enter__(),
+    "master_params": lambda m, o: amp.master_params(o),
+    "state_dict": lambda m, o: amp.state_dict(),
+    "load_state_dict": lambda m, o: amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}}),
+    "loss_scale": lambda m, o: amp.loss_scale(),
+    "step_was_skipped": lambda m, o: amp.step_was_skipped(o),
+}
+results = {}
+for name, call in calls.items():
     model = small_model().eval()
     optimizer = sgd(model)
     before = snapshot([model], [optimizer])
-    fix = r"was called before amp.initialize; first call `model, optimizer = amp.initialize"
-    with pytest.raises(RuntimeError, match=fix):
+    try:
         call(model, optimizer)
+        results[name] = "no error"
+    except RuntimeError as error:
+        results[name] = str(error)
     assert_same(before, snapshot([model], [optimizer]))
+print(json.dumps(results))
+"""
+
+
+def test_amp_calls_before_initialize_raise_and_say_what_to_call_first():
+    # In a fresh interpreter: nothing of this process's earlier initialize calls is there.
+    tests = str(Path(__file__).resolve().parent)
+    result = subprocess.run([sys.executable, "-c", BEFORE_INITIALIZE, tests], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    fix = "was called before amp.initialize; first call `model, optimizer = amp.initialize"
+    for name, message in json.loads(result.stdout).items():
+        assert message.startswith(f"amp.{name} {fix}"), (name, message)
 
 
 def test_initialize_twice_on_the_same_optimizer_raises_and_keeps_the_first_session():
@@ -345,15 +365,27 @@ def _set(key, value, scaler="loss_scaler0"):
     return corrupt
 
 
-def _saved_by(**init):
-    def corrupt(_):
+class _SavedBy:
+    """The amp state of another initialize call (made before the test's own, which stays the latest)."""
+
+    def __init__(self, **init):
+        self.init = init
+        self.state = None
+
+    def prepare(self):
         model = small_model()
-        optimizer = sgd(model)
-        amp.initialize(model, optimizer, verbosity=0, **init)
+        amp.initialize(model, sgd(model), verbosity=0, **self.init)
         if casting.is_active():
             casting.deactivate()
-        return amp.state_dict()
-    return corrupt
+        self.state = amp.state_dict()
+
+    def __call__(self, _saved):
+        return self.state
+
+
+def _saved_by(**init):
+    return _SavedBy(**init)
+
 
 CHECKPOINT_ERRORS = [
     ("whole-checkpoint-instead-of-its-amp-part", lambda s: {"model": {}, "optimizer": {}, "amp": s}, ValueError,
@@ -400,16 +432,18 @@ CHECKPOINT_ERRORS = [
 
 @pytest.mark.parametrize(("corrupt", "error", "message"), [c[1:] for c in CHECKPOINT_ERRORS],
                          ids=[c[0] for c in CHECKPOINT_ERRORS])
-def test_corrupt_or_foreign_amp_state_raises_and_loads_nothing(monkeypatch, corrupt, error, message):
+def test_corrupt_or_foreign_amp_state_raises_and_loads_nothing(corrupt, error, message):
+    if isinstance(corrupt, _SavedBy):
+        corrupt.prepare()
     model, optimizer = o2_trained(num_losses=2)
     with amp.scale_loss(_model_loss(model) * float("inf"), optimizer, loss_id=1) as scaled:
         scaled.backward()  # scaler 1 backs off: the two scalers differ
     optimizer.step()
-    current = state.latest_session()
+    current = sessions.latest_session()
     saved = amp.state_dict()
     assert saved["loss_scaler0"]["unskipped"] > 0 and saved["loss_scaler1"]["loss_scale"] == 32768.0
     bad = corrupt(clone_tree(saved))
-    monkeypatch.setattr(state, "_LATEST", current)  # a foreign state may come from another initialize
+    assert sessions.latest_session() is current
     before = snapshot([model], [optimizer])
     with pytest.raises(error, match=message):
         amp.load_state_dict(bad)

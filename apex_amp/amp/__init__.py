@@ -24,9 +24,9 @@ from .casting import (
     register_promote_function,
 )
 from .diagnostics import inspect, last_overflow, overflow_reports, save_histogram, underflow_report
-from .frontend import initialize, load_state_dict, loss_scale, master_params, state_dict, step_was_skipped
-from .distributed import sync_masters
-from .handle import scale_loss
+from .backward_pass import scale_loss
+from .frontend import initialize
+from .run_state import load_state_dict, loss_scale, master_params, state_dict, step_was_skipped, sync_masters
 from .opt_levels import OPT_LEVELS
 
 __all__ = [

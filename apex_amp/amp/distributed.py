@@ -15,7 +15,7 @@
   notes the DDP wrapper its forward runs under (torch marks the active wrapper
   for TorchDynamo during its inner forward), and the next ``scale_loss``
   broadcasts rank 0's fp32 masters over that wrapper's process group, once per
-  wrapper and optimizer, as :func:`sync_masters` and ``scale_loss(...,
+  wrapper and optimizer, as ``amp.sync_masters`` and ``scale_loss(...,
   model=ddp_model)`` do. An unseeded apex script that initializes, then wraps
   in DDP, then trains with plain ``scale_loss(loss, optimizer)`` therefore
   keeps every rank bitwise identical, with rank 0's fp32 precision. Where the
@@ -32,19 +32,18 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .master_weights import MasterLink
+from .master_weights import MasterLink, OptimizerParams
 
-if TYPE_CHECKING:
-    from .gradients import GradLifecycle
-    from .state import AmpSession
-
-__all__ = ["sync_masters"]
+__all__ = [
+    "agree_on_overflow", "broadcast_masters", "check_sharded_models", "distributed_ready", "note_ddp_wrappers",
+    "overflow_group", "warn_if_outside",
+]
 
 logger = logging.getLogger("apex_amp")
 
@@ -55,7 +54,7 @@ FSDP_SUPPORTED = (
 )
 
 
-def _distributed_ready() -> bool:
+def distributed_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
@@ -118,7 +117,7 @@ def overflow_group(sync_overflow: Any) -> Optional[Any]:
     if sync_overflow is None or sync_overflow is False:
         return None
     if sync_overflow is True:
-        if not _distributed_ready():
+        if not distributed_ready():
             raise RuntimeError(
                 "amp.initialize(sync_overflow=True) needs torch.distributed: call "
                 "torch.distributed.init_process_group(...) before amp.initialize"
@@ -202,70 +201,17 @@ def note_ddp_wrappers(model: nn.Module, found: "list[weakref.ref[nn.Module]]") -
     return handle
 
 
-def first_use_of_wrapper(
-    session: "AmpSession", model: Optional[nn.Module], lifecycles: Iterable["GradLifecycle"], warn_outside: bool
-) -> None:
-    """Once per DDP wrapper and optimizer: broadcast rank 0's masters of the wrapped parameters.
-
-    With ``warn_outside`` (the wrapper was passed as ``scale_loss(model=...)``), also warn when some
-    of the optimizer's gradients escape DDP's all-reduce while found-inf is not synchronised.
-    """
-    if not _is_ddp(model):
-        return
-    done = session.synced_wrappers.setdefault(model, weakref.WeakSet())
-    for lifecycle in lifecycles:
-        if lifecycle in done:
-            continue
-        done.add(lifecycle)
-        broadcast_masters(model, lifecycle.params.links)
-        if warn_outside and session.overflow_group is None:
-            reduced = _reduced_params(model)
-            params = list(lifecycle.params.direct) + [link.model_param for link in lifecycle.params.links]
-            outside = sum(1 for param in params if param not in reduced)
-            if outside:
-                logger.warning(
-                    "amp.scale_loss: %d of the %d parameters of an optimizer are outside this "
-                    "DistributedDataParallel wrapper (or ignored by it), so each rank checks their gradients on "
-                    "its own and the ranks can take different skip decisions; if those gradients can differ "
-                    "between ranks, pass sync_overflow=True to amp.initialize", outside, len(params),
-                )
+def warn_if_outside(wrapper: nn.Module, params: OptimizerParams) -> None:
+    """Warn when some of an optimizer's parameters escape ``wrapper``'s all-reduce (checked per rank)."""
+    reduced = _reduced_params(wrapper)
+    own = list(params.direct) + [link.model_param for link in params.links]
+    outside = sum(1 for param in own if param not in reduced)
+    if outside:
+        logger.warning(
+            "amp.scale_loss: %d of the %d parameters of an optimizer are outside this "
+            "DistributedDataParallel wrapper (or ignored by it), so each rank checks their gradients on "
+            "its own and the ranks can take different skip decisions; if those gradients can differ "
+            "between ranks, pass sync_overflow=True to amp.initialize", outside, len(own),
+        )
 
 
-def sync_masters(model: nn.Module, optimizers: Any) -> None:
-    """Copy rank 0's fp32 master weights to every rank (O2/O3 under DDP); call it on every rank.
-
-    ``DistributedDataParallel`` broadcasts rank 0's weights into the model when
-    it is built, but ``amp.initialize`` made the fp32 masters earlier, from
-    each rank's own weights. amp does this by itself the first time
-    ``amp.scale_loss`` runs after a forward through the wrapper (or sees it as
-    ``model=ddp_model``); call it where amp cannot see the wrapper (DDP's
-    Python reducer, a forward that goes around the wrapper), or to give the
-    ranks rank 0's masters at a point of your choosing.
-
-    Args:
-        model: the ``DistributedDataParallel`` wrapper (its process group is
-            used), or the bare model (the default process group is used).
-        optimizers: the optimizer(s) returned by ``amp.initialize`` that hold
-            the masters.
-
-    Example::
-
-        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
-        >>> ddp_model = torch.nn.parallel.DistributedDataParallel(model)
-        >>> amp.sync_masters(ddp_model, optimizer)
-    """
-    from .handle import as_optimizer_list, find_session
-
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not _distributed_ready():
-        raise RuntimeError("amp.sync_masters needs torch.distributed: call init_process_group first")
-    optimizer_list = as_optimizer_list(optimizers)
-    session = find_session(optimizer_list, "sync_masters")
-    if not session.enabled:
-        return
-    for optimizer in optimizer_list:
-        lifecycle = session.lifecycle_of(optimizer)
-        broadcast_masters(model, lifecycle.params.links)
-        if _is_ddp(model):
-            session.synced_wrappers.setdefault(model, weakref.WeakSet()).add(lifecycle)

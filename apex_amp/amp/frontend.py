@@ -1,24 +1,24 @@
-"""``amp.initialize`` and the functions that read or restore amp state."""
+"""``amp.initialize``: check the models and optimizers, make their session, cast and hook the models."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from . import casting
-from ._logging import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS
+from . import casting, sessions
 from .diagnostics import overflow
 from .distributed import check_sharded_models, note_ddp_wrappers, overflow_group
-from .handle import as_optimizer_list, find_session
 from .master_weights import attach_masters
 from .model_casting import add_cast_hooks, add_master_state_dict_hooks, cast_model_
-from .opt_levels import HALF_DTYPES, parse_flag, resolve_properties
-from .state import AmpSession, latest_session, register_models, register_session, session_for, was_initialized
+from .._dtypes import HALF_DTYPES
+from .opt_levels import parse_flag, resolve_properties
+from .overflow_log import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS
+from .session import AmpSession
 
-__all__ = ["initialize", "state_dict", "load_state_dict", "master_params", "step_was_skipped", "loss_scale"]
+__all__ = ["initialize"]
 
 logger = logging.getLogger("apex_amp")
 
@@ -44,7 +44,7 @@ def _as_model_list(models: Any) -> list[nn.Module]:
 def _check_fp32_params(models: list[nn.Module]) -> None:
     for index, model in enumerate(models):
         for name, param in model.named_parameters():
-            if param.dtype in HALF_DTYPES and was_initialized(model):
+            if param.dtype in HALF_DTYPES and sessions.was_initialized(model):
                 raise ValueError(
                     f"model {index} was already passed to an earlier amp.initialize call, which cast its "
                     f"parameter {name!r} to {param.dtype}; call amp.initialize once, with every model and "
@@ -177,9 +177,9 @@ def initialize(
         >>> optimizer.step()
     """
     model_list = _as_model_list(models)
-    optimizer_list = [] if optimizers is None else as_optimizer_list(optimizers)
+    optimizer_list = [] if optimizers is None else sessions.as_optimizer_list(optimizers)
     for optimizer in optimizer_list:
-        if session_for(optimizer) is not None:
+        if sessions.session_for(optimizer) is not None:
             raise RuntimeError(
                 f"this {type(optimizer).__name__} was already passed to amp.initialize; call amp.initialize "
                 "once per optimizer (create a fresh optimizer to start over)"
@@ -196,7 +196,7 @@ def initialize(
 
     device = _device_of(model_list, optimizer_list)
     if not enabled:
-        register_session(AmpSession(None, device, verbosity), optimizer_list)
+        sessions.register(AmpSession(None, device, verbosity), optimizer_list, model_list)
         return result()
 
     properties = resolve_properties(
@@ -256,139 +256,7 @@ def initialize(
         casting.activate(properties.half_dtype, allow_banned=properties.allow_banned)
     elif casting.is_active():
         casting.deactivate()
-    register_session(session, optimizer_list)
-    register_models(model_list)
+    sessions.register(session, optimizer_list, model_list)
     if overflow_report:
         overflow.enable(session, model_list)
     return result()
-
-
-def _one_optimizer(optimizer: Any, caller: str) -> torch.optim.Optimizer:
-    optimizers = as_optimizer_list(optimizer, "optimizer")
-    if len(optimizers) != 1:
-        raise TypeError(
-            f"amp.{caller} takes one optimizer, got a list of {len(optimizers)}; call it once per optimizer"
-        )
-    return optimizers[0]
-
-
-def _session_or_latest(caller: str) -> AmpSession:
-    session = latest_session()
-    if session is None:
-        raise RuntimeError(
-            f"amp.{caller} was called before amp.initialize; first call "
-            "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)`"
-        )
-    return session
-
-
-def state_dict(destination: Optional[dict] = None) -> dict[str, Any]:
-    """The state of every loss scaler (scale, counters, hysteresis) of the latest ``initialize``.
-
-    Save it with the model's and the optimizer's state dicts; together they
-    resume a run bit for bit. Under O2, ``model.state_dict()`` holds the fp32
-    master weights.
-
-    Args:
-        destination: optional dict to fill (apex compatibility); a new dict otherwise.
-
-    .. note:: Reads the scales from the device: a host sync on CUDA.
-
-    Example::
-
-        >>> checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        ...               "amp": amp.state_dict()}
-        >>> torch.save(checkpoint, "checkpoint.pt")
-    """
-    state = _session_or_latest("state_dict").state_dict()
-    if destination is None:
-        return state
-    destination.update(state)
-    return destination
-
-
-def load_state_dict(state_dict: Mapping[str, Any]) -> None:
-    """Restore the loss scalers saved by :func:`state_dict` (after ``initialize``, same settings).
-
-    Args:
-        state_dict: the dict returned by :func:`state_dict`.
-
-    Example::
-
-        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
-        >>> checkpoint = torch.load("checkpoint.pt")
-        >>> model.load_state_dict(checkpoint["model"])
-        >>> optimizer.load_state_dict(checkpoint["optimizer"])
-        >>> amp.load_state_dict(checkpoint["amp"])
-    """
-    _session_or_latest("load_state_dict").load_state_dict(state_dict)
-
-
-def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
-    """The parameters ``optimizer`` really updates: the fp32 masters under O2, the model's otherwise.
-
-    After ``scale_loss`` exits their gradients are unscaled, so they are the
-    ones to clip.
-
-    Args:
-        optimizer: an optimizer returned by ``amp.initialize``.
-
-    Example::
-
-        >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
-        ...     scaled_loss.backward()
-        >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
-        >>> optimizer.step()
-    """
-    optimizer = _one_optimizer(optimizer, "master_params")
-    # Before initialize (or for another optimizer) the params would not be the masters.
-    session = find_session([optimizer], "master_params")
-    if session.enabled:
-        lifecycle = session.lifecycle_of(optimizer)
-        lifecycle.sync_params()
-        lifecycle.settle()  # gradients kept scaled for a fused step: clipping needs the true values now
-    return iter([p for group in optimizer.param_groups for p in group["params"]])
-
-
-def step_was_skipped(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the last ``optimizer.step()`` was skipped because its gradients were not finite.
-
-    Use it, for instance, not to advance an LR scheduler on skipped steps.
-
-    Args:
-        optimizer: an optimizer returned by ``amp.initialize``.
-
-    .. note:: Reads the overflow flag from the device: a host sync on CUDA.
-
-    Example::
-
-        >>> optimizer.step()
-        >>> if not amp.step_was_skipped(optimizer):
-        ...     scheduler.step()
-    """
-    optimizer = _one_optimizer(optimizer, "step_was_skipped")
-    session = find_session([optimizer], "step_was_skipped")
-    if not session.enabled:
-        return False
-    return session.lifecycle_of(optimizer).step_was_skipped()
-
-
-def loss_scale(loss_id: int = 0) -> float:
-    """The current loss scale of ``loss_id`` in the latest ``initialize``.
-
-    Args:
-        loss_id: which loss scaler.
-
-    .. note:: Reads the scale from the device: a host sync on CUDA.
-
-    Example::
-
-        >>> print(f"loss scale {amp.loss_scale():.0f}")
-    """
-    session = _session_or_latest("loss_scale")
-    if not session.enabled:
-        return 1.0
-    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(session.scalers):
-        raise ValueError(f"loss_id must be in [0, {len(session.scalers) - 1}], got {loss_id!r}")
-    session.flush_logs(block=True)
-    return session.scalers[loss_id].loss_scale()

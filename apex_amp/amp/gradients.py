@@ -65,16 +65,13 @@ import dataclasses
 import enum
 import logging
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
 from .master_weights import MasterLink, OptimizerParams, adopt_model_weights, mismatched_links
-
-if TYPE_CHECKING:
-    from .state import AmpSession
 
 __all__ = ["GradState", "PassScale", "GradLifecycle", "settle_for_pass"]
 
@@ -132,23 +129,32 @@ class _OpenStep:
     undo: Optional[Callable[[], None]]  # the step hooks' own clean-up, should the step raise
 
 
+# account_pass(loss_id, found_inf, lifecycles, inv_scale): the session's accounting of a checked pass.
+AccountPass = Callable[[int, Tensor, Sequence["GradLifecycle"], Tensor], None]
+
+
 class GradLifecycle:
     """The gradients of one optimizer between its steps (never stored on the optimizer).
 
     Args:
         optimizer: the user's optimizer (masters already attached under O2).
-        session: the ``AmpSession`` that owns this object.
         links: the masters ``initialize`` attached.
+        device: where the flags live (the session's device).
+        make_masters: param groups added later get masters too (O2).
+        on_new_links: called with the masters of param groups added later.
+        account_pass: accounts a DELAYED accumulation's pass when it is finally checked.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, session: "AmpSession", links: list[MasterLink]) -> None:
-        self.session = session
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, links: list[MasterLink], *, device: torch.device,
+        make_masters: bool, on_new_links: Callable[[list[MasterLink]], None], account_pass: AccountPass,
+    ) -> None:
         self._optimizer = weakref.ref(optimizer)
+        self._device = device
+        self._account_pass = account_pass
         # FusedAdam-like: step() takes found_inf / inv_scale / model_params and decides on the device.
         self.takes_step_kwargs = bool(getattr(type(optimizer), "_apex_amp_step_kwargs", False))
-        self.params = OptimizerParams(
-            optimizer, links, make_masters=bool(session.properties.master_weights), on_new_links=session.register_masters
-        )
+        self.params = OptimizerParams(optimizer, links, make_masters=make_masters, on_new_links=on_new_links)
         self.state = GradState.EMPTY
         self.steps = 0  # optimizer.step() calls, taken or skipped
         self.kept_scale: Optional[PassScale] = None  # SCALED, DELAYED, SPENT: the scale the kept gradients carry
@@ -325,10 +331,10 @@ class GradLifecycle:
             self.kept_scale = None
             self._move(GradState.UNSCALED)
             if kept.checked:
-                self.session.account_pass(kept.loss_id, found_inf, [self], kept.inv_scale)
+                self._account_pass(kept.loss_id, found_inf, [self], kept.inv_scale)
 
     def _scratch_flag(self) -> Tensor:
-        return torch.zeros(1, device=self.session.device)
+        return torch.zeros(1, device=self._device)
 
     def _absorb(self, stash: Sequence[Optional[Tensor]], scale: PassScale, found_inf: Tensor) -> None:
         # The new gradients (direct params' and half model params' .grad) become true values, added to

@@ -9,7 +9,7 @@ the update ever forces a host sync. Only :meth:`LossScaler.loss_scale` and
 Every scale is a normal float32 (the floor is validated, the cap is float32
 max), so a backing-off scale never reaches 0 or a denormal; a scale stuck at
 its floor while overflowing is reported by the overflow log's collapse guard
-(:mod:`apex_amp.amp._logging`).
+(:mod:`apex_amp.amp.overflow_log`).
 """
 
 from __future__ import annotations
@@ -20,15 +20,13 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ._logging import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS, OverflowLog
+from .opt_levels import LARGEST_SCALE, SMALLEST_SCALE
+from .overflow_log import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS, OverflowLog
 
-__all__ = ["LossScaler", "SMALLEST_SCALE", "LARGEST_SCALE"]
+__all__ = ["LossScaler"]
 
 GROWTH_FACTOR = 2.0
 BACKOFF_FACTOR = 0.5
-# A scale must be a normal float32: 0 or a denormal would make 1/scale inf (or lose the gradients).
-SMALLEST_SCALE = torch.finfo(torch.float32).tiny
-LARGEST_SCALE = torch.finfo(torch.float32).max
 
 # "floor_overflow_streak" (the collapse guard's count) is optional: older checkpoints lack it.
 _STATE_KEYS = ("loss_scale", "unskipped", "hysteresis_tracker", "dynamic", "overflows", "floor_overflow_streak")
@@ -49,7 +47,7 @@ class LossScaler:
         log_enabled: whether overflow messages go to the log (verbosity >= 1).
         collapse_warn_steps, collapse_raise_steps: overflows in a row with the scale at
             its floor (any overflow of a static scale) before the collapse warning and
-            the RuntimeError (None: never); see :mod:`apex_amp.amp._logging`.
+            the RuntimeError (None: never); see :mod:`apex_amp.amp.overflow_log`.
     """
 
     def __init__(
@@ -120,7 +118,7 @@ class LossScaler:
             return
         self.scale_epoch += 1
         # On CPU the flag is in host memory already: reading it costs no sync, and spares the
-        # int64 conversion and the log's concatenation (~7 us of ~1 ms on a small model's step).
+        # int64 conversion and the log's concatenation (see benchmarks/README.md).
         # Read with tolist(), as the log always read CPU values: a plain copy, no dispatched op.
         host_flag = found_inf.reshape(1).tolist()[0] if found_inf.device.type == "cpu" else None
         if host_flag is None:
@@ -168,6 +166,11 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (apex's ``loss_scale``/``unskipped`` alone load too)."""
+        self._apply(self.checked_state(state))
+
+    def checked_state(self, state: Any) -> dict[str, Any]:
+        """The values ``state`` would load, validated; raises (changing nothing) on a bad entry."""
         name = f"loss_scaler{self.loss_id}"
         if not isinstance(state, Mapping):
             raise TypeError(f"amp state {name!r} must be a dict, got {type(state).__name__}")
@@ -198,13 +201,17 @@ class LossScaler:
         for key, value in counters.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"amp state {name!r}: {key} must be an integer >= 0, got {value!r}")
+        return {"loss_scale": float(scale), **counters}
+
+    def _apply(self, counters: Mapping[str, Any]) -> None:
+        scale = counters["loss_scale"]
         self.log.flush(block=True)  # records of the steps before the load must not count after it
-        self.scale.fill_(float(scale))
+        self.scale.fill_(scale)
         self.growth_tracker.fill_(counters["unskipped"])
         self.hysteresis_tracker.fill_(counters["hysteresis_tracker"])
         self.overflows.fill_(counters["overflows"])
         self.log.restore_floor_streak(counters["floor_overflow_streak"])
         self.scale_epoch += 1
         if not self.dynamic:
-            self.static_value = float(scale)
-            self._static_inv_scale.fill_(1.0 / float(scale))
+            self.static_value = scale
+            self._static_inv_scale.fill_(1.0 / scale)

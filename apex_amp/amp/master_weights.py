@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from .opt_levels import HALF_DTYPES
+from .._dtypes import HALF_DTYPES
 
 __all__ = ["MasterLink", "OptimizerParams", "attach_masters", "mismatched_links", "adopt_model_weights"]
 

@@ -20,6 +20,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
+from .._dtypes import HALF_DTYPES, map_tensors
+
 __all__ = ["cast_model_", "cast_floating_tensors", "add_cast_hooks", "add_master_state_dict_hooks"]
 
 # Returns the fp32 master of a model parameter, or None when it has none.
@@ -47,24 +49,7 @@ def cast_floating_tensors(value: Any, dtype: torch.dtype) -> Any:
 
     Non-floating tensors and other objects are returned as they are.
     """
-    if isinstance(value, Tensor):
-        if value.is_floating_point() and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-    if isinstance(value, dict):
-        items = [(key, cast_floating_tensors(item, dtype)) for key, item in value.items()]
-        try:
-            return type(value)(items)
-        except TypeError:  # dict subclasses with other constructors (defaultdict, ...)
-            return dict(items)
-    if isinstance(value, tuple):
-        cast = [cast_floating_tensors(item, dtype) for item in value]
-        if hasattr(value, "_fields"):  # namedtuple
-            return type(value)(*cast)
-        return tuple(cast)
-    if isinstance(value, list):
-        return [cast_floating_tensors(item, dtype) for item in value]
-    return value
+    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
 
 
 def add_cast_hooks(
@@ -105,7 +90,7 @@ def add_master_state_dict_hooks(model: nn.Module, master_of: MasterLookup) -> li
             master = master_of(param) if param is not None else None
             if master is not None:
                 state_dict[key] = master.detach()
-            elif isinstance(value, Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+            elif isinstance(value, Tensor) and value.dtype in HALF_DTYPES:
                 state_dict[key] = value.float()
 
     def load_into_masters(module: nn.Module, state_dict: dict, prefix: str, *unused: Any) -> None:

@@ -25,13 +25,15 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ._logging import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS
-from .loss_scaler import LARGEST_SCALE, SMALLEST_SCALE
+from .._dtypes import HALF_DTYPES
+from .overflow_log import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS
 
-__all__ = ["OPT_LEVELS", "AmpProperties", "resolve_properties"]
+__all__ = ["OPT_LEVELS", "AmpProperties", "resolve_properties", "SMALLEST_SCALE", "LARGEST_SCALE"]
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
-HALF_DTYPES = (torch.float16, torch.bfloat16)
+# A loss scale must be a normal float32: 0 or a denormal would make 1/scale inf (or lose the gradients).
+SMALLEST_SCALE = torch.finfo(torch.float32).tiny
+LARGEST_SCALE = torch.finfo(torch.float32).max
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DYNAMIC = "dynamic"
 

@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import sys
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from . import _multi_tensor as mt
 from . import casting
 from .gradients import GradLifecycle
-
-if TYPE_CHECKING:
-    from .state import AmpSession
 
 __all__ = ["StepHooks"]
 
@@ -50,11 +47,21 @@ def _on_stack(frame: FrameType) -> bool:
 
 
 class StepHooks:
-    """Registers amp's step pre/post hooks on one optimizer."""
+    """Registers amp's step pre/post hooks on one optimizer.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, session: "AmpSession", lifecycle: GradLifecycle) -> None:
-        self.session = session
+    Args:
+        lifecycle: the optimizer's gradient lifecycle.
+        flush_logs: logs the overflow messages that are due (before each step).
+        casts_off_in_step: O1: turn the per-op casts off while the step runs.
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, lifecycle: GradLifecycle, *, flush_logs: Callable[[], None],
+        casts_off_in_step: bool,
+    ) -> None:
         self.lifecycle = lifecycle
+        self._flush_logs = flush_logs
+        self._casts_off_in_step = casts_off_in_step
         self._casts_off: Any = None
         # The step in progress: whether there is one, the frame of torch's step wrapper that ran our
         # pre-hook (None under torch.compile), and how many nested step calls it made (a subclass's
@@ -86,11 +93,11 @@ class StepHooks:
                 "the closure's backward would run outside amp.scale_loss. Compute the loss and call "
                 "backward inside `with amp.scale_loss(loss, optimizer) as scaled_loss:`, then optimizer.step()"
             )
-        self.session.flush_logs()
+        self._flush_logs()
         step_kwargs = self.lifecycle.before_step(undo=self._end_step)  # recovers a step that raised
         frame = None if torch.compiler.is_compiling() else sys._getframe(1)
         self._in_step, self._step_frame, self._nested, self._step_kwargs = True, frame, 0, step_kwargs
-        if self.session.properties.patch_torch_functions:
+        if self._casts_off_in_step:
             self._casts_off = casting.disable_casts()
             self._casts_off.__enter__()
         if step_kwargs is None:
@@ -107,7 +114,8 @@ class StepHooks:
             # A torch optimizer updated only the masters: refresh the half model copy.
             masters = [link.master.data for link in links]
             models = [link.model_param.data for link in links]
-            mt.scale_(masters, models, self.session.one, torch.zeros(1, device=self.session.device))
+            device = masters[0].device
+            mt.scale_(masters, models, torch.ones(1, device=device), torch.zeros(1, device=device))
         self._end_step()
-        if self.session.properties.patch_torch_functions:
+        if self._casts_off_in_step:
             casting.clear_cache()

@@ -9,10 +9,10 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .._dtypes import HALF_DTYPES
 
 __all__ = ["FusedAdam"]
 
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FP32_STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
 _GROUP_KEYS = ("lr", "bias_correction", "betas", "eps", "weight_decay")
 # The lists of one fused_adam_ call ("owners": the params whose state holds the step).
@@ -22,8 +22,8 @@ _CALL_LISTS = ("owners", "params", "grads", "exp_avgs", "exp_avg_sqs", "model_pa
 # fp32 params without a model copy join the call of those with one (typically the fp32
 # BatchNorm params next to O2's half model params), each passed as its own model copy:
 # fused_adam_ allows model_params[i] to be params[i] and writes the same value twice, to
-# cache lines it has just written (measured: no slower, even for tensors far beyond the
-# cache), while a second call costs ~10 us of fixed overhead and a copy of the step.
+# cache lines it has just written, which costs less than the fixed overhead of a second
+# call and a copy of the step (benchmarks/README.md has the measurement).
 def _merge_fp32_into_copy_calls(calls: dict[tuple[torch.device, bool], dict[str, list]]) -> None:
     for device in {device for device, _ in calls}:
         with_copy, without = calls.get((device, True)), calls.get((device, False))
@@ -186,7 +186,7 @@ class FusedAdam(torch.optim.Optimizer):
                     raise RuntimeError("FusedAdam does not support sparse gradients; use torch.optim.SparseAdam")
                 state = self.state[p]
                 target = p
-                if model_param is None and self.master_weights and p.dtype in _HALF_DTYPES:
+                if model_param is None and self.master_weights and p.dtype in HALF_DTYPES:
                     if "master_param" not in state:
                         state["master_param"] = p.detach().to(torch.float32)
                     target, model_param = state["master_param"], p

@@ -13,24 +13,19 @@ outside an O1 context (another thread's own ``torch.autocast``, a backward pass)
 call to torch's own autocast kernel for that op (``torch.library.get_kernel``), or past the
 autocast key when torch had none.
 
-Why this route (measured on this 2-core CPU, torch 2.14.1, bf16, one thread, while other
-jobs kept the load average near 8, so medians of interleaved runs):
+Why this route (the figures are in benchmarks/README.md, "Design choices and their
+measurements"; ``benchmarks/bench_o1_overhead.py`` reproduces them):
   - dispatcher autocast costs nothing per op in Python; torch's own kernels stay in C++.
     Python wrappers on module attributes (apex's way) would miss calls through Tensor
     methods and operators; module hooks see no functional calls at all;
-  - a Python kernel at the Autocast key adds ~3-12 us per forward call (softmax on 8x8:
-    1.2 us native, 8 us through ours; linear 4x4: 5 us native, 17 us through ours) and
-    ~25 us per call when autograd enters it from a backward pass (it runs backward with the
-    caller's autocast state and our kernel must re-take the GIL): for a `sum` kernel, a
-    tiny forward+backward went from 32 us to 57 us;
+  - a Python kernel at the Autocast key adds microseconds per forward call, and more when
+    autograd enters it from a backward pass (it runs backward with the caller's autocast
+    state and our kernel must re-take the GIL);
   - so Python kernels are registered only where torch's policy differs from rules.py. The
-    linear/matmul/conv ops keep torch's kernels: with a Python linear kernel (and our
-    weight cache) a 50-layer MLP step cost 1.13x torch.autocast (thread CPU time), with
-    torch's kernel 1.00x; the transformer went from 1.12x to 1.07x;
+    linear/matmul/conv ops keep torch's kernels, which made a whole MLP or transformer step
+    measurably cheaper than with Python kernels for them;
   - the frontend runs backward and optimizer.step() under ``disable_casts()`` (what
-    ``scale_loss`` wraps), so no Python kernel runs in backward: MLP 1.02x, transformer
-    1.09x torch.autocast (CPU time; 0.94x / 1.02x wall), against 1.28x / 1.19x with
-    backward under casting. ``benchmarks/bench_o1_overhead.py`` reproduces these.
+    ``scale_loss`` wraps), so no Python kernel runs in backward.
 
 Weight casts: torch's autocast weight cache is keyed only by tensor and emptied only when
 the outermost ``torch.autocast`` block exits, which with global enabling never happens, so
@@ -49,7 +44,8 @@ import logging
 import torch
 
 from . import policy, registry
-from .policy import STATE, HALF_DTYPES, disable_casts
+from ..._dtypes import HALF_DTYPES
+from .policy import STATE, disable_casts
 from .rules import DEVICES, RULES, Rule, aten_rules
 
 __all__ = ["activate", "deactivate", "is_active", "disable_casts", "clear_cache"]

@@ -13,12 +13,11 @@ from typing import Any, Iterator
 
 import torch
 
+from ..._dtypes import HALF_DTYPES, map_tensors
 from .cache import WeightCastCache
 from .rules import DEVICES, Rule
 
 __all__ = ["disable_casts"]
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class O1State:
@@ -83,35 +82,32 @@ def disable_casts() -> Iterator[None]:
 # which is returned untouched. Only floating tensors are cast; float64 is left alone, as
 # torch's autocast does.
 
-def _has_tensor(values) -> bool:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return True
-    return False
-
-
 _CASTABLE_TO_HALF = {torch.float16: frozenset({torch.float32, torch.bfloat16}),
                      torch.bfloat16: frozenset({torch.float32, torch.float16})}
 
 
+def _half_caster(dtype: torch.dtype):
+    castable = _CASTABLE_TO_HALF[dtype]
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return STATE.cache.cast(tensor, dtype) if tensor.dtype in castable else tensor
+
+    return cast
+
+
+_HALF_CASTERS = {dtype: _half_caster(dtype) for dtype in HALF_DTYPES}
+
+
+def _fp32_cast(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.dtype in HALF_DTYPES else tensor
+
+
 def to_half(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        if value.dtype in _CASTABLE_TO_HALF[dtype]:
-            return STATE.cache.cast(value, dtype)
-        return value
-    if isinstance(value, (list, tuple)) and _has_tensor(value):
-        return type(value)(to_half(item, dtype) for item in value)
-    return value
+    return map_tensors(value, _HALF_CASTERS[dtype])
 
 
 def to_fp32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        if value.dtype in HALF_DTYPES:
-            return value.float()
-        return value
-    if isinstance(value, (list, tuple)) and _has_tensor(value):
-        return type(value)(to_fp32(item) for item in value)
-    return value
+    return map_tensors(value, _fp32_cast)
 
 
 def _floating_dtypes(values, found: set) -> set:
@@ -125,13 +121,7 @@ def _floating_dtypes(values, found: set) -> set:
 
 
 def _to_dtype(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.dtype is not dtype:
-            return value.to(dtype)
-        return value
-    if isinstance(value, (list, tuple)) and _has_tensor(value):
-        return type(value)(_to_dtype(item, dtype) for item in value)
-    return value
+    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype is not dtype else t)
 
 
 def widest_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:

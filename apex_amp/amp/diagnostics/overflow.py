@@ -20,15 +20,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-if TYPE_CHECKING:
-    from ..gradients import GradLifecycle
-    from ..state import AmpSession
+from .. import sessions
+from ..gradients import GradLifecycle
+from ..session import AmpSession
 
 __all__ = ["NonFiniteGrad", "OverflowReport", "last_overflow", "overflow_reports"]
 
@@ -93,7 +93,7 @@ class OverflowRecorder:
         self.reports: collections.deque[OverflowReport] = collections.deque(maxlen=HISTORY)
 
     def record(
-        self, found_inf: Tensor, loss_id: int, inv_scale: Tensor, lifecycles: Sequence["GradLifecycle"]
+        self, found_inf: Tensor, loss_id: int, inv_scale: Tensor, lifecycles: Sequence[GradLifecycle]
     ) -> None:
         """Called by ``AmpSession.account_pass`` after each checked pass: counts the non-finite values on overflow."""
         if not bool(found_inf.item()):  # the opt-in host read
@@ -123,15 +123,13 @@ class OverflowRecorder:
         logger.debug("%s", report)
 
 
-def enable(session: "AmpSession", models: Sequence[nn.Module]) -> None:
+def enable(session: AmpSession, models: Sequence[nn.Module]) -> None:
     """Turn overflow reports on for ``session`` (called by ``amp.initialize(..., overflow_report=True)``)."""
     session.overflow_recorder = OverflowRecorder(models)
 
 
 def _recorder(optimizer: Optional[torch.optim.Optimizer], caller: str) -> OverflowRecorder:
-    from ..state import latest_session, session_for
-
-    session = latest_session() if optimizer is None else session_for(optimizer)
+    session = sessions.latest_session() if optimizer is None else sessions.session_for(optimizer)
     if session is None:
         what = ("amp.initialize was never called" if optimizer is None
                 else "this optimizer was never passed to amp.initialize")

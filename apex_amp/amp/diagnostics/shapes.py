@@ -26,7 +26,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..casting.rules import RULES, OpRule, Rule
-from ..opt_levels import HALF_DTYPES, resolve_properties
+from ..._dtypes import HALF_DTYPES
+from ..opt_levels import resolve_properties
 
 __all__ = ["Finding", "FindingKind", "InspectReport", "inspect", "TENSOR_CORE_MULTIPLE"]
 

@@ -22,13 +22,18 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ..._dtypes import HALF_DTYPES
+from .. import sessions
+from ..gradients import GradState
+from ..run_state import loss_scale as current_loss_scale
+from ..run_state import master_params
+
 __all__ = ["LayerUnderflow", "UnderflowReport", "underflow_report", "save_histogram", "flush_threshold",
            "overflow_threshold"]
 
 # Exponent bins of the log2|g| histogram: floor(log2|g|) from fp32's smallest subnormal to its max.
 _MIN_EXPONENT = -149
 _MAX_EXPONENT = 127
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def flush_threshold(dtype: torch.dtype) -> float:
@@ -141,19 +146,15 @@ def _count(grad: Tensor, scale: float, flush: float, overflow: float) -> Tensor:
 
 
 def _named_grads(source: Union[nn.Module, torch.optim.Optimizer]) -> list[tuple[str, Tensor]]:
-    from ..frontend import master_params
-    from ..gradients import GradState
-    from ..state import latest_session, session_for
-
     if isinstance(source, torch.optim.Optimizer):
-        if session_for(source) is None:
+        if sessions.session_for(source) is None:
             params = [p for group in source.param_groups for p in group["params"]]
         else:
             params = list(master_params(source))  # unscales gradients a fused step would consume scaled
         return [(f"params[{index}]", p.grad) for index, p in enumerate(params) if p.grad is not None]
     if not isinstance(source, nn.Module):
         raise TypeError(f"underflow_report expects a torch.nn.Module or an optimizer, got {type(source).__name__}")
-    session = latest_session()
+    session = sessions.latest_session()
     if session is not None and session.enabled:
         for lifecycle in session.lifecycles.values():
             if lifecycle.state is GradState.DELAYED:
@@ -204,17 +205,13 @@ def underflow_report(
         >>> amp.save_histogram(report, "grad_hist.png")
         >>> optimizer.step()
     """
-    if dtype not in _HALF_DTYPES:
+    if dtype not in HALF_DTYPES:
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
     if loss_scale is None:
-        from ..state import latest_session
-
-        session = latest_session()
+        session = sessions.latest_session()
         if session is None or not session.enabled:
             raise ValueError("underflow_report needs loss_scale=... when amp.initialize has not been called "
                              "(or was called with enabled=False)")
-        from ..frontend import loss_scale as current_loss_scale
-
         loss_scale = current_loss_scale(loss_id)
     if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not (
             math.isfinite(loss_scale) and loss_scale > 0):

@@ -1,4 +1,4 @@
-"""Rate-limited, lazily-read overflow messages.
+"""The overflow log of one loss scaler: rate-limited, lazily-read messages and the scale-collapse guard.
 
 The message needs two device values on the host (was there an overflow, what
 is the new scale). Reading them when they are produced would force a host
@@ -185,10 +185,3 @@ class OverflowLog:
         """Continue the count of a checkpointed run (the error, if due, comes with its next overflow)."""
         self.floor_streak = streak
         self.collapse_message = None
-
-    def summary(self) -> Optional[str]:
-        """One line with the number of overflows seen so far, or None if there were none."""
-        self.flush(block=True)
-        if not self.count:
-            return None
-        return f"loss scaler {self.loss_id}: {self.count} gradient overflows (steps skipped)"

@@ -1,4 +1,8 @@
-"""``amp.scale_loss``: scale the loss, then check and unscale the new gradients."""
+"""``amp.scale_loss``: one backward pass, on a scaled loss, whose new gradients are then checked and unscaled.
+
+What happens to the gradients is the gradient lifecycle's (``gradients.py``);
+the accounting of the checked pass is the session's (``AmpSession.account_pass``).
+"""
 
 from __future__ import annotations
 
@@ -9,55 +13,12 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import casting
-from .distributed import first_use_of_wrapper
+from . import casting, sessions
 from .gradients import PassScale, settle_for_pass
-from .state import AmpSession, latest_session, session_for
 
 __all__ = ["scale_loss"]
 
 logger = logging.getLogger("apex_amp")
-
-
-def as_optimizer_list(optimizers: Any, what: str = "optimizers") -> list[torch.optim.Optimizer]:
-    if isinstance(optimizers, torch.optim.Optimizer):
-        return [optimizers]
-    if isinstance(optimizers, (list, tuple)):
-        for index, optimizer in enumerate(optimizers):
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(
-                    f"{what}[{index}] must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-                )
-        return list(optimizers)
-    raise TypeError(
-        f"{what} must be a torch.optim.Optimizer or a list of them, got {type(optimizers).__name__}"
-    )
-
-
-def find_session(optimizers: Sequence[torch.optim.Optimizer], caller: str) -> AmpSession:
-    if latest_session() is None:
-        raise RuntimeError(
-            f"amp.{caller} was called before amp.initialize; first call "
-            "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)`"
-        )
-    sessions = []
-    for optimizer in optimizers:
-        session = session_for(optimizer)
-        if session is None:
-            raise RuntimeError(
-                f"amp.{caller} got an optimizer ({type(optimizer).__name__}) that amp.initialize never saw; "
-                "pass every optimizer to amp.initialize (and use the objects it returns)"
-            )
-        if session not in sessions:
-            sessions.append(session)
-    if len(sessions) > 1:
-        raise RuntimeError(
-            f"amp.{caller} got optimizers from different amp.initialize calls; pass all models and "
-            "optimizers that are trained together to one amp.initialize call"
-        )
-    if not sessions:
-        raise ValueError(f"amp.{caller} needs at least one optimizer, got an empty list")
-    return sessions[0]
 
 
 def _skips_grad_sync(model: Optional[torch.nn.Module]) -> bool:
@@ -119,8 +80,8 @@ def scale_loss(
         ...     scaled_loss.backward()
         >>> optimizer.step()
     """
-    optimizer_list = as_optimizer_list(optimizers)
-    session = find_session(optimizer_list, "scale_loss")
+    optimizer_list = sessions.as_optimizer_list(optimizers)
+    session = sessions.find_session(optimizer_list, "scale_loss")
     if not session.enabled:
         yield loss
         return
@@ -143,10 +104,7 @@ def scale_loss(
     scaler = session.scalers[loss_id]
     session.flush_logs(check_collapse=True)  # raises once a loss scale has collapsed
     lifecycles = [session.lifecycle_of(optimizer) for optimizer in optimizer_list]
-    # Once per DDP wrapper: rank 0's masters (the wrapper passed as model=, or one the models ran under).
-    first_use_of_wrapper(session, model, lifecycles, warn_outside=True)
-    for wrapper_ref in session.ddp_wrappers:
-        first_use_of_wrapper(session, wrapper_ref(), lifecycles, warn_outside=False)
+    session.follow_ddp_wrappers(model, lifecycles)  # once per wrapper: rank 0's masters
     local_accumulation = _skips_grad_sync(model)
     if local_accumulation:
         # Checking these local gradients now would let ranks disagree on the

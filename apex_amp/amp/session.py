@@ -1,35 +1,32 @@
-"""amp's own state: one ``AmpSession`` per ``initialize`` call, found by object identity.
+"""``AmpSession``: everything one ``amp.initialize`` call made, and the one place each pass is accounted.
 
-Nothing is stored on the user's objects. The registry maps each optimizer
-(weakly, by identity) to the session that ``initialize`` created for it, so
-``scale_loss(loss, optimizer)`` finds its scalers and master weights; the
-module-level ``amp.state_dict()`` (which takes no argument, as in apex) uses
-the most recent session. Both are written only by ``initialize``.
+A session owns its loss scalers, the gradient lifecycle and step hooks of each
+optimizer, the master lookup, the DDP wrappers its models ran under, and the
+overflow recorder when reports are on. How amp finds a session from a user's
+optimizer is :mod:`apex_amp.amp.sessions`.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import weakref
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .distributed import agree_on_overflow
+from . import distributed
 from .gradients import GradLifecycle
 from .loss_scaler import LossScaler
 from .master_weights import MasterLink
 from .opt_levels import AmpProperties
 from .step_hooks import StepHooks
 
-__all__ = ["AmpSession", "session_for", "latest_session", "register_session", "register_models", "was_initialized"]
+__all__ = ["AmpSession"]
 
-_SESSION_OF_OPTIMIZER: "weakref.WeakKeyDictionary[torch.optim.Optimizer, AmpSession]" = weakref.WeakKeyDictionary()
-_LATEST: Optional["AmpSession"] = None
-# Models an enabled initialize has prepared (cast, hooked): only for clearer errors.
-_INITIALIZED_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+logger = logging.getLogger("apex_amp")
 
 
 class AmpSession:
@@ -42,7 +39,6 @@ class AmpSession:
         self.verbosity = verbosity
         # Process group whose ranks must agree on every skip (initialize's sync_overflow; distributed.py).
         self.overflow_group: Any = None
-        self.one = torch.ones(1, device=self.device)
         self.warned_unreached = False  # the "backward reached no parameter" warning is logged once
         self.scalers: list[LossScaler] = []
         if properties is not None:
@@ -84,9 +80,14 @@ class AmpSession:
 
     # ---- optimizers ---------------------------------------------------------
     def add_optimizer(self, optimizer: torch.optim.Optimizer, links: list[MasterLink]) -> None:
-        lifecycle = GradLifecycle(optimizer, self, links)
+        lifecycle = GradLifecycle(
+            optimizer, links, device=self.device, make_masters=bool(self.properties.master_weights),
+            on_new_links=self.register_masters, account_pass=self.account_pass,
+        )
         self.lifecycles[optimizer] = lifecycle
-        StepHooks(optimizer, self, lifecycle)  # kept alive by the hooks it registers on the optimizer
+        # Kept alive by the hooks it registers on the optimizer.
+        StepHooks(optimizer, lifecycle, flush_logs=self.flush_logs,
+                  casts_off_in_step=self.properties.patch_torch_functions)
 
     def lifecycle_of(self, optimizer: torch.optim.Optimizer) -> GradLifecycle:
         return self.lifecycles[optimizer]
@@ -101,12 +102,42 @@ class AmpSession:
         optimizer whose gradients it checked notes the flag for its next step, and an overflow
         report is recorded when the user asked for them.
         """
-        agree_on_overflow(found_inf, self.overflow_group)
+        distributed.agree_on_overflow(found_inf, self.overflow_group)
         self.scalers[loss_id].update(found_inf)
         for lifecycle in lifecycles:
             lifecycle.note_found_inf(found_inf)
         if self.overflow_recorder is not None:
             self.overflow_recorder.record(found_inf, loss_id, inv_scale, lifecycles)
+
+    # ---- DistributedDataParallel -----------------------------------------------------
+    def follow_ddp_wrappers(self, model: Optional[nn.Module], lifecycles: Sequence[GradLifecycle]) -> None:
+        """At a pass: give ``lifecycles`` rank 0's masters over each DDP wrapper not yet followed.
+
+        The wrappers are ``model`` (``scale_loss(model=...)``) and those the models' forwards ran under,
+        in the order they were met, which is the same on every rank (each broadcast is a collective).
+        """
+        self._follow(model, lifecycles, warn_outside=True)
+        for wrapper_ref in self.ddp_wrappers:
+            self._follow(wrapper_ref(), lifecycles, warn_outside=False)
+
+    def _follow(self, wrapper: Optional[nn.Module], lifecycles: Sequence[GradLifecycle], warn_outside: bool) -> None:
+        if not isinstance(wrapper, nn.parallel.DistributedDataParallel):
+            return
+        done = self.synced_wrappers.setdefault(wrapper, weakref.WeakSet())
+        for lifecycle in lifecycles:
+            if lifecycle in done:
+                continue
+            done.add(lifecycle)
+            distributed.broadcast_masters(wrapper, lifecycle.params.links)
+            if warn_outside and self.overflow_group is None:
+                distributed.warn_if_outside(wrapper, lifecycle.params)
+
+    def sync_masters(self, model: nn.Module, lifecycles: Sequence[GradLifecycle]) -> None:
+        """``amp.sync_masters``: rank 0's masters now, over ``model``'s group (a wrapper is then followed)."""
+        for lifecycle in lifecycles:
+            distributed.broadcast_masters(model, lifecycle.params.links)
+            if isinstance(model, nn.parallel.DistributedDataParallel):
+                self.synced_wrappers.setdefault(model, weakref.WeakSet()).add(lifecycle)
 
     def flush_logs(self, block: bool = False, check_collapse: bool = False) -> None:
         for scaler in self.scalers:
@@ -162,37 +193,6 @@ class AmpSession:
                     )
         # Validate every scaler before changing any, so a bad entry changes nothing.
         for i, scaler in enumerate(self.scalers):
-            _check_only(scaler, state_dict[f"loss_scaler{i}"])
+            scaler.checked_state(state_dict[f"loss_scaler{i}"])
         for i, scaler in enumerate(self.scalers):
             scaler.load_state_dict(state_dict[f"loss_scaler{i}"])
-
-
-def _check_only(scaler: LossScaler, state: Any) -> None:
-    probe = LossScaler(
-        scaler.loss_id, torch.device("cpu"), init_scale=1.0, dynamic=scaler.dynamic,
-        check_finite=scaler.check_finite, hysteresis=scaler.hysteresis, log_enabled=False,
-    )
-    probe.load_state_dict(state)
-
-
-def register_session(session: AmpSession, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-    global _LATEST
-    for optimizer in optimizers:
-        _SESSION_OF_OPTIMIZER[optimizer] = session
-    _LATEST = session
-
-
-def register_models(models: Iterable[torch.nn.Module]) -> None:
-    _INITIALIZED_MODELS.update(models)
-
-
-def was_initialized(model: torch.nn.Module) -> bool:
-    return model in _INITIALIZED_MODELS
-
-
-def session_for(optimizer: torch.optim.Optimizer) -> Optional[AmpSession]:
-    return _SESSION_OF_OPTIMIZER.get(optimizer)
-
-
-def latest_session() -> Optional[AmpSession]:
-    return _LATEST

@@ -1,0 +1,116 @@
+"""How amp finds its state: the one place that maps user objects to sessions.
+
+Each ``amp.initialize`` call makes one :class:`~apex_amp.amp.session.AmpSession`,
+which owns everything of that call. Nothing is stored on the user's objects:
+this module keeps, written only by ``initialize``,
+
+* each optimizer's session (weakly, by identity), so ``scale_loss(loss,
+  optimizer)`` and the other calls that take an optimizer find it;
+* the latest session, for apex's calls that take no optimizer
+  (``amp.state_dict()``, ``amp.load_state_dict()``, ``amp.loss_scale()``);
+* the models an enabled ``initialize`` prepared, for clearer errors.
+
+It also checks the optimizer arguments of those calls, so every call says the
+same thing about a wrong one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from .session import AmpSession
+
+__all__ = [
+    "register", "session_for", "latest_session", "latest", "find_session", "as_optimizer_list", "one_optimizer", "was_initialized",
+]
+
+_SESSION_OF_OPTIMIZER: "weakref.WeakKeyDictionary[torch.optim.Optimizer, AmpSession]" = weakref.WeakKeyDictionary()
+_INITIALIZED_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_latest_session: Optional[AmpSession] = None
+
+
+def register(session: AmpSession, optimizers: Iterable[torch.optim.Optimizer], models: Iterable[torch.nn.Module]) -> None:
+    """Make ``session`` the session of ``optimizers`` and the latest one (``initialize`` only)."""
+    global _latest_session
+    for optimizer in optimizers:
+        _SESSION_OF_OPTIMIZER[optimizer] = session
+    if session.enabled:
+        _INITIALIZED_MODELS.update(models)
+    _latest_session = session
+
+
+def session_for(optimizer: torch.optim.Optimizer) -> Optional[AmpSession]:
+    """The session that ``initialize`` made for ``optimizer``, or None."""
+    return _SESSION_OF_OPTIMIZER.get(optimizer)
+
+
+def was_initialized(model: torch.nn.Module) -> bool:
+    """Whether an enabled ``initialize`` prepared ``model`` (cast it, hooked it)."""
+    return model in _INITIALIZED_MODELS
+
+
+def latest_session() -> Optional[AmpSession]:
+    """The session of the latest ``initialize``, or None before the first."""
+    return _latest_session
+
+
+def latest(caller: str) -> AmpSession:
+    """The session of the latest ``initialize``; ``amp.<caller>`` raises if there was none."""
+    if _latest_session is None:
+        raise RuntimeError(
+            f"amp.{caller} was called before amp.initialize; first call "
+            "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)`"
+        )
+    return _latest_session
+
+
+def as_optimizer_list(optimizers: Any, what: str = "optimizers") -> list[torch.optim.Optimizer]:
+    """``optimizers`` (one or a list) as a list, or TypeError naming ``what`` was wrong."""
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    if isinstance(optimizers, (list, tuple)):
+        for index, optimizer in enumerate(optimizers):
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    f"{what}[{index}] must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+                )
+        return list(optimizers)
+    raise TypeError(
+        f"{what} must be a torch.optim.Optimizer or a list of them, got {type(optimizers).__name__}"
+    )
+
+
+def one_optimizer(optimizer: Any, caller: str) -> torch.optim.Optimizer:
+    """The single optimizer ``amp.<caller>`` takes."""
+    optimizers = as_optimizer_list(optimizer, "optimizer")
+    if len(optimizers) != 1:
+        raise TypeError(
+            f"amp.{caller} takes one optimizer, got a list of {len(optimizers)}; call it once per optimizer"
+        )
+    return optimizers[0]
+
+
+def find_session(optimizers: Sequence[torch.optim.Optimizer], caller: str) -> AmpSession:
+    """The one session of ``optimizers``; ``amp.<caller>`` raises if they have none or several."""
+    latest(caller)  # "before amp.initialize" first: the clearest message when nothing was initialized
+    sessions: list[AmpSession] = []
+    for optimizer in optimizers:
+        session = session_for(optimizer)
+        if session is None:
+            raise RuntimeError(
+                f"amp.{caller} got an optimizer ({type(optimizer).__name__}) that amp.initialize never saw; "
+                "pass every optimizer to amp.initialize (and use the objects it returns)"
+            )
+        if session not in sessions:
+            sessions.append(session)
+    if len(sessions) > 1:
+        raise RuntimeError(
+            f"amp.{caller} got optimizers from different amp.initialize calls; pass all models and "
+            "optimizers that are trained together to one amp.initialize call"
+        )
+    if not sessions:
+        raise ValueError(f"amp.{caller} needs at least one optimizer, got an empty list")
+    return sessions[0]
