@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -30,17 +32,34 @@ def test_training_loss_falls(level, half, kind):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
     optimizer = make_optimizer(kind, model.parameters())
+    reference = copy.deepcopy(model)  # fp32, without amp: the first step's true gradient
+    nn.functional.cross_entropy(reference(x), y).backward()
+    true_norm = reference[0].weight.grad.norm()
     amp.initialize(model, optimizer, opt_level=level, half_dtype=half, verbosity=0)
-    losses = []
+    first_layer = []  # (output dtype, gradient norm the backward pass produced) per step
+    model[0].register_forward_hook(lambda module, args, out: first_layer.append([out.dtype]))
+    model[0].weight.register_hook(lambda grad: first_layer[-1].append(grad.float().norm()))
+    losses, unscaled = [], []
     for _ in range(15):
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         with amp.scale_loss(loss, optimizer) as scaled:
             scaled.backward()
+        unscaled.append(next(iter(amp.master_params(optimizer))).grad.float().norm())
         optimizer.step()
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.6 * losses[0], losses
+    # amp did what the level says: the precision of the first layer, fp32 masters, and the scale
+    # the backward pass ran at (apex's defaults: dynamic 65536 for fp16 at O1/O2, 1 otherwise).
+    compute = torch.float32 if level == "O0" else half
+    assert all(dtype == compute for dtype, _ in first_layer)
+    assert all(p.dtype == torch.float32 for p in amp.master_params(optimizer)) == (level != "O3")
+    scale = 65536.0 if level in ("O1", "O2") and half == torch.float16 else 1.0
+    torch.testing.assert_close(first_layer[0][1], scale * true_norm, rtol=5e-2, atol=0)
+    torch.testing.assert_close(unscaled[0], true_norm, rtol=5e-2, atol=0)
+    for (_, raw), amp_norm in zip(first_layer, unscaled):
+        torch.testing.assert_close(raw / amp_norm, torch.tensor(scale), rtol=1e-2, atol=0)
 
 
 def digits_run(level, kind="FusedAdam", epochs=4):

@@ -23,7 +23,7 @@ from apex_amp import amp
 from apex_amp.__main__ import main
 from apex_amp.amp import casting
 from apex_amp.amp.diagnostics import FindingKind
-from apex_amp.amp.diagnostics.shapes import _MODULE_OP, _rule_of
+from apex_amp.amp.diagnostics.shapes import _MODULE_OP, _rule_of, module_rule
 from apex_amp.amp.diagnostics.underflow import flush_threshold, overflow_threshold
 from apex_amp.optimizers import FusedAdam
 
@@ -381,10 +381,68 @@ def test_inspect_other_findings():
         amp.inspect("model")
 
 
-def test_every_module_maps_to_a_row_of_the_o1_table():
-    for _, op in _MODULE_OP:
-        assert _rule_of(op) is not None
-    with pytest.raises(LookupError):
+def _module_call(module_type, h):
+    """A module of ``module_type`` and the arguments of one forward call (float inputs from ``h``)."""
+    sign = torch.tensor([1.0, -1.0, 1.0])
+    targets = {
+        nn.LayerNorm: (nn.LayerNorm(4), (h(2, 4),)),
+        nn.GroupNorm: (nn.GroupNorm(2, 4), (h(2, 4, 3),)),
+        nn.LocalResponseNorm: (nn.LocalResponseNorm(2), (h(1, 4, 3, 3),)),
+        nn.Softmax: (nn.Softmax(-1), (h(2, 4),)),
+        nn.Softmax2d: (nn.Softmax2d(), (h(1, 3, 2, 2),)),
+        nn.LogSoftmax: (nn.LogSoftmax(-1), (h(2, 4),)),
+        nn.Softmin: (nn.Softmin(-1), (h(2, 4),)),
+        nn.Softplus: (nn.Softplus(), (h(2, 4),)),
+        nn.GELU: (nn.GELU(), (h(2, 4),)),
+        nn.CosineSimilarity: (nn.CosineSimilarity(), (h(2, 4), h(2, 4))),
+        nn.PairwiseDistance: (nn.PairwiseDistance(), (h(2, 4), h(2, 4))),
+        nn.Upsample: (nn.Upsample(scale_factor=2, mode="bilinear"), (h(1, 1, 2, 2),)),
+        nn.CrossEntropyLoss: (nn.CrossEntropyLoss(), (h(3, 4), torch.tensor([0, 2, 1]))),
+        nn.NLLLoss: (nn.NLLLoss(), (h(3, 4), torch.tensor([0, 2, 1]))),
+        nn.MSELoss: (nn.MSELoss(), (h(3), h(3))),
+        nn.L1Loss: (nn.L1Loss(), (h(3), h(3))),
+        nn.SmoothL1Loss: (nn.SmoothL1Loss(), (h(3), h(3))),
+        nn.HuberLoss: (nn.HuberLoss(), (h(3), h(3))),
+        nn.KLDivLoss: (nn.KLDivLoss(reduction="batchmean"), (h(2, 3), h(2, 3).softmax(-1))),
+        nn.BCEWithLogitsLoss: (nn.BCEWithLogitsLoss(), (h(3), h(3).sigmoid())),
+        nn.BCELoss: (nn.BCELoss(), (h(3).sigmoid(), h(3).sigmoid())),
+        nn.CTCLoss: (nn.CTCLoss(), (h(5, 1, 3).log_softmax(-1), torch.tensor([[1, 2]]), (5,), (2,))),
+        nn.PoissonNLLLoss: (nn.PoissonNLLLoss(), (h(3), h(3).abs())),
+        nn.GaussianNLLLoss: (nn.GaussianNLLLoss(), (h(3), h(3), h(3).abs() + 0.5)),
+        nn.MarginRankingLoss: (nn.MarginRankingLoss(), (h(3), h(3), sign)),
+        nn.HingeEmbeddingLoss: (nn.HingeEmbeddingLoss(), (h(3), sign)),
+        nn.SoftMarginLoss: (nn.SoftMarginLoss(), (h(3), sign)),
+        nn.MultiLabelSoftMarginLoss: (nn.MultiLabelSoftMarginLoss(), (h(2, 3), torch.tensor([[1.0, 0, 1], [0, 1, 0]]))),
+        nn.MultiMarginLoss: (nn.MultiMarginLoss(), (h(2, 3), torch.tensor([0, 2]))),
+        nn.MultiLabelMarginLoss: (nn.MultiLabelMarginLoss(), (h(2, 3), torch.tensor([[0, 2, -1], [1, -1, 0]]))),
+        nn.CosineEmbeddingLoss: (nn.CosineEmbeddingLoss(), (h(2, 3), h(2, 3), sign[:2])),
+        nn.TripletMarginLoss: (nn.TripletMarginLoss(), (h(2, 3), h(2, 3), h(2, 3))),
+        nn.TripletMarginWithDistanceLoss: (nn.TripletMarginWithDistanceLoss(), (h(2, 3), h(2, 3), h(2, 3))),
+    }
+    return targets[module_type]
+
+
+@pytest.mark.parametrize("module_type", [t for t, _ in _MODULE_OP], ids=[t.__name__ for t, _ in _MODULE_OP])
+def test_what_inspect_says_of_a_module_is_what_o1_does_to_it(module_type):
+    # amp.inspect names the O1 row each module falls under: running the module under O1 on bf16
+    # inputs must then give an fp32 output (FP32 rows) or raise (BANNED rows).
+    g = torch.Generator().manual_seed(0)
+    module, args = _module_call(module_type, lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16))
+    _, row = module_rule(module)
+    casting.activate(torch.bfloat16)
+    try:
+        if row.rule is casting.Rule.BANNED:
+            with pytest.raises(RuntimeError, match="banned"):
+                module(*args)
+            return
+        output = module(*args)
+    finally:
+        casting.deactivate()
+    assert row.rule is casting.Rule.FP32 and output.dtype == torch.float32
+
+
+def test_a_module_op_missing_from_the_o1_table_is_a_lookup_error():
+    with pytest.raises(LookupError, match="no row of the O1 rule table names 'not_an_op'"):
         _rule_of("not_an_op")
 
 

@@ -46,8 +46,21 @@ def _bn_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 
 
-def _train(split_groups: bool, steps: int = 4, inject_at: int = -1, step_fn=None):
-    """O2 (bf16, loss scale 128) with FusedAdam; a param group per layer if ``split_groups``."""
+def _state(model, optimizer) -> list[torch.Tensor]:
+    """Everything a step may change: half weights and buffers, masters, moments, step counts."""
+    tensors = [t.detach().clone() for t in model.state_dict(keep_vars=True).values()]
+    tensors += [t.detach().clone() for t in model.parameters()]
+    tensors += [t.detach().clone() for t in amp.master_params(optimizer)]
+    for state in optimizer.state.values():
+        tensors += [state[key].clone() for key in ("exp_avg", "exp_avg_sq", "step")]
+    return tensors
+
+
+def _train(split_groups: bool, steps: int = 4, inject_at: int = -1, step_fn=None, around_skip=None):
+    """O2 (bf16, loss scale 128) with FusedAdam; a param group per layer if ``split_groups``.
+
+    ``around_skip``, a list, receives the state just before and just after the step of ``inject_at``.
+    """
     model = _bn_model()
     if split_groups:  # the same params in the same order, so the results line up one to one
         groups = [{"params": list(model[i].parameters())} for i in (0, 1, 3)]
@@ -65,18 +78,18 @@ def _train(split_groups: bool, steps: int = 4, inject_at: int = -1, step_fn=None
             scaled_loss.backward()
             if i == inject_at:
                 model[1].weight.grad[0] = INF  # an fp32 BatchNorm param: checked, and in the merged call
+        if i == inject_at and around_skip is not None:
+            around_skip.append(_state(model, optimizer))
         if step_fn is None:
             with _CountAdamCalls() as counter:
                 step()
             calls.append(counter.calls)
         else:
             step()  # a dispatch mode cannot run under torch.compile
+        if i == inject_at and around_skip is not None:
+            around_skip.append(_state(model, optimizer))
         skipped.append(amp.step_was_skipped(optimizer))
-    tensors = [t.detach().clone() for t in model.parameters()]
-    tensors += [t.detach().clone() for t in amp.master_params(optimizer)]
-    for state in optimizer.state.values():
-        tensors += [state[key].clone() for key in ("exp_avg", "exp_avg_sq", "step")]
-    return tensors, skipped, calls, model, optimizer
+    return _state(model, optimizer), skipped, calls, model, optimizer
 
 
 def test_o2_batchnorm_params_share_the_masters_call_and_match_separate_calls():
@@ -94,7 +107,17 @@ def test_o2_batchnorm_params_share_the_masters_call_and_match_separate_calls():
     assert len(steps) == 1 and float(optimizer.state[optimizer.param_groups[0]["params"][0]]["step"]) == 4.0
 
 
-def test_o2_skipped_merged_step_changes_nothing():
+@pytest.mark.parametrize("split_groups", [False, True], ids=["merged", "separate"])
+def test_o2_skipped_step_changes_nothing(split_groups):
+    around_skip = []
+    _, skipped, _, _, _ = _train(split_groups=split_groups, inject_at=1, around_skip=around_skip)
+    before, after = around_skip
+    changed = [index for index, (a, b) in enumerate(zip(before, after)) if not torch.equal(a, b)]
+    assert len(before) == len(after) and not changed
+    assert skipped == [False, True, False, False]
+
+
+def test_o2_merged_and_separate_calls_skip_alike():
     merged, skipped, calls, _, _ = _train(split_groups=False, inject_at=1)
     separate, separate_skipped, _, _, _ = _train(split_groups=True, inject_at=1)
     assert skipped == separate_skipped == [False, True, False, False]

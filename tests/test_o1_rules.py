@@ -1,7 +1,8 @@
 """Every row of the O1 rule table, exercised through the public torch APIs.
 
 The tests are parametrised over ``rules.RULES`` itself: adding a row adds its tests, and a
-row without a probe here fails ``test_every_row_has_a_probe``. fp16 on CPU is very slow for
+row without a probe here fails ``test_every_row_has_a_probe``. What each row must do comes
+from the independent statement below (HALF_ROWS, FP32_ROWS, ...), not from RULES. fp16 on CPU is very slow for
 matmuls, so every shape is tiny.
 """
 from __future__ import annotations
@@ -195,7 +196,47 @@ PROBES = {
 ROW_NAMES = [row.name for row in RULES]
 ROWS = {row.name: row for row in RULES}
 CASES = [pytest.param(row.name, k, id=f"{row.name}-{k}") for row in RULES for k in range(len(PROBES.get(row.name, [None])))]
-EXPECTED = {Rule.HALF: None, Rule.FP32: torch.float32, Rule.PROMOTE: torch.float32, Rule.BANNED: torch.float32}
+
+# What each row must do, written down here independently of rules.py (ARCHITECTURE.md's rules,
+# which are apex's lists): matrix products and convolutions in half; exp/log/pow, softmax,
+# norms, reductions and every loss in fp32; mixed elementwise inputs promote to the widest;
+# binary_cross_entropy banned. The output dtype each probe must produce follows from this.
+HALF_ROWS = {
+    "linear", "matmul, @", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "addr", "mv", "einsum",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc",
+    "prelu", "RNN, LSTM, GRU", "RNNCell, LSTMCell, GRUCell", "scaled_dot_product_attention",
+}
+FP32_ROWS = {
+    "exp", "expm1", "log", "log10", "log2", "log1p", "pow, **", "reciprocal", "rsqrt", "sinh", "cosh", "tan",
+    "acos", "asin", "erfinv", "softmax", "log_softmax", "softmin", "softplus", "gelu", "layer_norm",
+    "group_norm", "local_response_norm", "normalize", "cosine_similarity", "sum", "mean", "prod", "cumsum",
+    "cumprod", "norm, linalg.norm, linalg.vector_norm, linalg.matrix_norm", "var, std, var_mean, std_mean",
+    "dist", "cdist", "renorm", "logsumexp", "interpolate, upsample", "grid_sample", "cross_entropy",
+    "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
+    "binary_cross_entropy_with_logits", "ctc_loss", "poisson_nll_loss", "gaussian_nll_loss",
+    "margin_ranking_loss", "hinge_embedding_loss", "soft_margin_loss", "multilabel_soft_margin_loss",
+    "multi_margin_loss", "multilabel_margin_loss", "cosine_embedding_loss", "triplet_margin_loss",
+    "triplet_margin_with_distance_loss",
+}
+PROMOTE_ROWS = {
+    "add, sub, mul, div", "addcmul, addcdiv", "atan2", "cross, linalg.cross", "dot", "bilinear",
+    "comparisons (eq, ne, lt, le, gt, ge)", "cat", "stack", "index_put", "scatter_add",
+    "Tensor operators (+ - * / and reflected forms)",
+}
+BANNED_ROWS = {"binary_cross_entropy, nn.BCELoss"}
+
+
+def expected_dtype(name: str, half_dtype: torch.dtype) -> torch.dtype:
+    """The output dtype of a row's probe (PROMOTE probes mix half and fp32, so fp32 is the widest)."""
+    if name.startswith("comparisons"):
+        return torch.bool
+    return half_dtype if name in HALF_ROWS else torch.float32
+
+
+def test_the_rule_table_matches_the_independent_statement_of_the_rules():
+    stated = {**{n: Rule.HALF for n in HALF_ROWS}, **{n: Rule.FP32 for n in FP32_ROWS},
+              **{n: Rule.PROMOTE for n in PROMOTE_ROWS}, **{n: Rule.BANNED for n in BANNED_ROWS}}
+    assert {row.name: row.rule for row in RULES} == stated
 
 
 @pytest.fixture
@@ -231,12 +272,12 @@ def test_every_row_has_a_probe(name):
 @pytest.mark.parametrize("name,k", CASES)
 def test_row_output_dtype_and_weight_grads(o1, name, k, half_dtype, device):
     row = ROWS[name]
-    o1(half_dtype, allow_banned=row.rule is Rule.BANNED)
+    o1(half_dtype, allow_banned=name in BANNED_ROWS)
     inputs, output = _run_probe(name, k, device, half_dtype)
     if row.name.startswith("comparisons"):
         assert output.dtype == torch.bool
         return
-    assert output.dtype == (EXPECTED[row.rule] or half_dtype)
+    assert output.dtype == expected_dtype(name, half_dtype)
     if output.requires_grad:
         output.float().sum().backward()
     for leaf in inputs.leaves:
@@ -275,12 +316,10 @@ def test_banned_op_raises_with_advice(o1, k, half_dtype):
 @pytest.mark.parametrize("name,k", [c for c in CASES if "cpu" in ROWS[c.values[0]].native])
 def test_native_cpu_claims_hold_under_plain_torch_autocast(name, k):
     """Rows marked native on CPU get their rule from torch alone (no apex_amp kernel)."""
-    row = ROWS[name]
     assert not casting.is_active()
     with torch.autocast("cpu", torch.bfloat16):
         _, output = _run_probe(name, k, "cpu", torch.bfloat16)
-    expected = torch.bool if name.startswith("comparisons") else (EXPECTED[row.rule] or torch.bfloat16)
-    assert output.dtype == expected
+    assert output.dtype == expected_dtype(name, torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", [r.name for r in RULES if "cuda" in r.native and r.rule is not Rule.PROMOTE])

@@ -37,9 +37,14 @@ def _problem():
 
 
 def _train(model, half_dtype, steps):
+    """(losses, {module name: output dtypes seen}) of ``steps`` Adam steps under O1 (None: fp32)."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = _problem()
     losses = []
+    seen = {name: set() for name in ("conv", "fc1", "norm", "head")}
+    for name in seen:
+        getattr(model, name).register_forward_hook(
+            lambda module, args, output, name=name: seen[name].add(output.dtype))
     if half_dtype is not None:
         casting.activate(half_dtype)
     try:
@@ -56,7 +61,7 @@ def _train(model, half_dtype, steps):
     finally:
         if half_dtype is not None:
             casting.deactivate()
-    return losses
+    return losses, seen
 
 
 @pytest.mark.slow
@@ -65,8 +70,12 @@ def test_o1_training_matches_o0(half_dtype, steps):
     torch.manual_seed(0)
     model = SmallNet()
     reference = copy.deepcopy(model)
-    o1_losses = _train(model, half_dtype, steps)
-    o0_losses = _train(reference, None, steps)
+    o1_losses, o1_dtypes = _train(model, half_dtype, steps)
+    o0_losses, o0_dtypes = _train(reference, None, steps)
+    # O1 really ran: convolution and matmuls in half, layer_norm in fp32, and other losses than fp32's.
+    assert o1_dtypes == {"conv": {half_dtype}, "fc1": {half_dtype}, "norm": {torch.float32}, "head": {half_dtype}}
+    assert set().union(*o0_dtypes.values()) == {torch.float32}
+    assert o1_losses != o0_losses
     assert o0_losses[-1] < 0.7 * o0_losses[0]  # the problem is learnable
     tolerance = 0.05 if half_dtype is torch.float16 else 0.1
     for o1_loss, o0_loss in zip(o1_losses, o0_losses):
