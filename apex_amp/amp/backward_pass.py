@@ -57,8 +57,9 @@ def scale_loss(
             place (as ``delay_unscale=True``), so the next synchronising
             backward all-reduces the whole sum and every rank checks the same
             gradients and takes the same skip decision. The first time a
-            wrapper is seen, rank 0's fp32 masters are broadcast (a collective;
-            see ``amp.sync_masters``).
+            wrapper is seen, here or as the one the model's forward ran under,
+            rank 0's fp32 masters are broadcast (a collective; see
+            ``amp.sync_masters``).
         delay_unscale: leave the gradients scaled (accumulation over several
             backward passes with the same loss and scale); the last pass before
             ``optimizer.step()`` must use ``delay_unscale=False``. Ignored when
