@@ -28,9 +28,10 @@ __all__ = ["UNAVAILABLE_MODULES", "UNAVAILABLE_NAMES", "UnavailableFinder", "ins
 
 _OPTIMIZERS_NOTE = "apex_amp provides apex.optimizers.FusedAdam only"
 
-# Modules of NVIDIA apex (as of its last release with amp, 25.04) that are not provided. A module
-# listed here also covers its submodules (`apex.contrib` covers `apex.contrib.xentropy.softmax_xentropy`)
-# unless a longer entry says something more precise.
+# Modules of NVIDIA apex (as of its last release with amp, 25.04) that are not provided. An entry
+# also covers its submodules (`apex.contrib` covers `apex.contrib.xentropy.softmax_xentropy`).
+# Every entry's parent is a package the compat package provides (apex, apex.optimizers,
+# apex.parallel): Python imports the parent first, so an entry below a missing one is never reached.
 UNAVAILABLE_MODULES: dict[str, str] = {
     "apex.fp16_utils": (
         "FP16_Optimizer, network_to_half and the other fp16_utils helpers are not provided: "
@@ -45,26 +46,16 @@ UNAVAILABLE_MODULES: dict[str, str] = {
         "FusedLayerNorm, FusedRMSNorm and the fused_layer_norm functions are not provided: "
         "use torch.nn.LayerNorm and torch.nn.RMSNorm (torch.nn.functional.layer_norm / rms_norm)"
     ),
+    # One entry for all of apex.contrib: importing apex.contrib.xentropy imports apex.contrib
+    # first, so a message of its own would never be seen.
     "apex.contrib": (
-        "apex.contrib's CUDA-only extensions are not provided: use torch's own building blocks "
-        "(torch.nn.functional.scaled_dot_product_attention for fused attention, torch.compile for fusion)"
-    ),
-    "apex.contrib.optimizers": (
-        "DistributedFusedAdam / DistributedFusedLAMB are not provided: use torch.optim.AdamW(fused=True) "
-        "with torch.distributed.fsdp.fully_shard, or torch.distributed.optim.ZeroRedundancyOptimizer"
-    ),
-    "apex.contrib.xentropy": (
-        "SoftmaxCrossEntropyLoss is not provided: use torch.nn.CrossEntropyLoss(label_smoothing=...)"
-    ),
-    "apex.contrib.focal_loss": "focal_loss is not provided: use torchvision.ops.sigmoid_focal_loss",
-    "apex.contrib.group_norm": "GroupNorm is not provided: use torch.nn.GroupNorm",
-    "apex.contrib.layer_norm": "FastLayerNorm is not provided: use torch.nn.LayerNorm",
-    "apex.contrib.clip_grad": (
-        "clip_grad_norm_ is not provided: use torch.nn.utils.clip_grad_norm_ (foreach=True), "
-        "on amp.master_params(optimizer) under O2"
-    ),
-    "apex.contrib.sparsity": (
-        "ASP (2:4 structured sparsity) is not provided: use torch.sparse.to_sparse_semi_structured"
+        "apex.contrib's CUDA-only extensions are not provided. Replacements: optimizers.DistributedFusedAdam "
+        "-> use torch.optim.AdamW(fused=True) with torch.distributed.fsdp.fully_shard or "
+        "torch.distributed.optim.ZeroRedundancyOptimizer; xentropy -> torch.nn.CrossEntropyLoss(label_smoothing=...); "
+        "focal_loss -> torchvision.ops.sigmoid_focal_loss; group_norm -> torch.nn.GroupNorm; layer_norm -> "
+        "torch.nn.LayerNorm; clip_grad -> torch.nn.utils.clip_grad_norm_(foreach=True); sparsity (ASP) -> "
+        "torch.sparse.to_sparse_semi_structured; fused attention (fmha, multihead_attn) -> "
+        "torch.nn.functional.scaled_dot_product_attention; other fusions -> torch.compile"
     ),
     "apex.transformer": (
         "apex.transformer (Megatron's tensor and pipeline parallelism) is not provided: use Megatron-Core "
@@ -73,12 +64,8 @@ UNAVAILABLE_MODULES: dict[str, str] = {
     "apex.mlp": "MLP is not provided: use torch.nn.Linear layers in a torch.nn.Sequential (torch.compile fuses them)",
     "apex.fused_dense": "FusedDense is not provided: use torch.nn.Linear (torch.compile fuses the bias and activation)",
     "apex.RNN": "apex.RNN is not provided: use torch.nn.LSTM, torch.nn.GRU or torch.nn.RNN",
-    "apex.parallel.LARC": (
-        "LARC is not provided and torch has none: use timm.optim.Lars(..., trust_clip=True) "
-        "(LARS with LARC's clipping)"
-    ),
     "apex.parallel.multiproc": (
-        "apex.parallel.multiproc is not provided: launch with torchrun "
+        "apex.parallel.multiproc is not provided: use torchrun to launch "
         "(python -m torch.distributed.run --nproc_per_node=N train.py)"
     ),
     "apex.parallel.optimized_sync_batchnorm": "use apex.parallel.SyncBatchNorm (or torch.nn.SyncBatchNorm)",
@@ -109,10 +96,15 @@ UNAVAILABLE_MODULES.update({f"apex.optimizers.{module}": message for module, mes
 UNAVAILABLE_NAMES: dict[str, str] = {
     **{f"apex.optimizers.{name}": message for name, (_, message) in _OPTIMIZERS.items()},
     "apex.parallel.Reducer": (
-        "Reducer is not provided: wrap the model in apex.parallel.DistributedDataParallel and delay the "
-        "reduction with its no_sync() context, or call torch.distributed.all_reduce on the gradients"
+        "Reducer is not provided: use apex.parallel.DistributedDataParallel and delay the reduction with "
+        "its no_sync() context, or torch.distributed.all_reduce on the gradients"
     ),
-    "apex.parallel.LARC": UNAVAILABLE_MODULES["apex.parallel.LARC"],
+    # A module in apex (`from apex.parallel.LARC import LARC`), listed as a name so that
+    # `from apex.parallel import LARC` carries the message too (see UnavailableFinder).
+    "apex.parallel.LARC": (
+        "LARC is not provided and torch has none: use timm.optim.Lars(..., trust_clip=True) "
+        "(LARS with LARC's clipping)"
+    ),
 }
 
 _AMP_SUBMODULE = (

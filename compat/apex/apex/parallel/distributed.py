@@ -1,13 +1,14 @@
 """apex.parallel.DistributedDataParallel: apex's arguments on torch's DistributedDataParallel."""
 
-from __future__ import annotations
-
+import inspect
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .sync_batchnorm import SyncBatchNorm
 
 __all__ = ["DistributedDataParallel"]
 
@@ -16,6 +17,17 @@ __all__ = ["DistributedDataParallel"]
 # how the reduction is grouped, never its result.
 _BYTES_PER_ELEMENT = 4
 _APEX_MESSAGE_SIZE = 10_000_000
+
+
+# (No `from __future__ import annotations` here: torch checks the hook's annotations as objects.)
+
+# apex never synchronised buffers in forward. torch 2.14 renamed that switch to
+# forward_sync_buffers (broadcast_buffers warns); older torch only has broadcast_buffers.
+_NO_BUFFER_SYNC_ARGUMENT = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
 
 
 @dataclass(frozen=True)
@@ -54,8 +66,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     translated to torch's, and any of torch's own keyword arguments (``find_unused_parameters``,
     ``process_group``, ``static_graph``, ...) may be given too. Like apex's, it broadcasts the
     parameters from rank 0 when wrapping and averages the gradients during ``backward()``; like
-    apex's, it does not broadcast buffers on every forward (torch's ``broadcast_buffers``
-    defaults to False here; pass ``broadcast_buffers=True`` for torch's behaviour).
+    apex's, it does not copy rank 0's buffers (BatchNorm statistics) to the other ranks on every
+    forward: torch's ``forward_sync_buffers`` (``broadcast_buffers`` before torch 2.14) defaults
+    to False here. On torch 2.14 the buffers are still copied once, when wrapping (apex copied
+    only the parameters); pass ``forward_sync_buffers=True`` for torch's default. The
+    SyncBatchNorm layers of :func:`apex.parallel.convert_syncbn_model` work in CPU models too.
 
     Example::
 
@@ -125,19 +140,26 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             raise ValueError("num_allreduce_streams > 1 only applies without delay_allreduce (as in apex): drop one.")
         if gradient_predivide_factor <= 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
-        translated = {
-            "bucket_cap_mb": message_size * _BYTES_PER_ELEMENT / 2**20,
-            "gradient_as_bucket_view": retain_allreduce_buffers,
-            "broadcast_buffers": False,
-        }
-        for torch_name, value in translated.items():
-            torch_ddp_kwargs.setdefault(torch_name, value)
+        torch_ddp_kwargs.setdefault("bucket_cap_mb", message_size * _BYTES_PER_ELEMENT / 2**20)
+        torch_ddp_kwargs.setdefault("gradient_as_bucket_view", retain_allreduce_buffers)
+        if not {"broadcast_buffers", "forward_sync_buffers"} & torch_ddp_kwargs.keys():
+            torch_ddp_kwargs[_NO_BUFFER_SYNC_ARGUMENT] = False
         super().__init__(module, **torch_ddp_kwargs)
         if allreduce_always_fp32 or gradient_predivide_factor != 1.0 or not gradient_average:
             # Only then: the default path stays torch's built-in reduction, the fastest one.
             options = _ReduceOptions(self.process_group, allreduce_always_fp32, float(gradient_predivide_factor),
                                      gradient_average)
             self.register_comm_hook(options, _apex_allreduce_hook)
+
+    def _passing_sync_batchnorm_handle(self, module: nn.Module) -> None:
+        # torch refuses SyncBatchNorm in a CPU model because its own kernels are CUDA-only;
+        # apex.parallel.SyncBatchNorm has a CPU path, so only torch's own layers are checked.
+        if self.device_type != "cpu":
+            return
+        for layer in module.modules():
+            if isinstance(layer, nn.SyncBatchNorm) and not isinstance(layer, SyncBatchNorm):
+                raise ValueError("torch.nn.SyncBatchNorm layers only work with GPU modules: convert the model "
+                                 "with apex.parallel.convert_syncbn_model, whose SyncBatchNorm also runs on CPU")
 
     def disable_allreduce(self) -> None:
         """Skip the gradient reduction of the backward passes of the following forwards (apex's name for ``no_sync``)."""

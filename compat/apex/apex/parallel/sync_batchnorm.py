@@ -12,29 +12,45 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["SyncBatchNorm", "convert_syncbn_model"]
 
 
+class _SumOverRanks(torch.autograd.Function):
+    # all_reduce(SUM) with its gradient: every rank's loss depends on the sum, so the gradient of
+    # the sum is the sum of the ranks' gradients (torch.distributed.nn's version is deprecated).
+    @staticmethod
+    def forward(ctx, tensor: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
 def _synced_cpu_batch_norm(bn: "SyncBatchNorm", input: Tensor, momentum: float, group: Any) -> Tensor:
     # Batch statistics over every rank's batch: mean first, then the variance around it (more
-    # accurate than E[x^2] - E[x]^2). dist_nn.all_reduce is differentiable (its backward sums the
-    # gradients over the ranks), so autograd gives the same gradients as torch's CUDA kernels.
+    # accurate than E[x^2] - E[x]^2). The sums are differentiable (_SumOverRanks), so autograd
+    # gives the same gradients as torch's CUDA kernels.
     channel_dims = [0, *range(2, input.dim())]
     shape = [1, -1] + [1] * (input.dim() - 2)
     x = input.float()
     local_count = x.new_tensor([input.numel() // input.size(1)])
-    sums = dist_nn.all_reduce(torch.cat([x.sum(channel_dims), local_count]), group=group)
+    sums = _SumOverRanks.apply(torch.cat([x.sum(channel_dims), local_count]), group)
     count = sums[-1].detach()
     if count.item() <= 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(input.shape)} "
                          "summed over the process group")
     mean = sums[:-1] / count
     centered = x - mean.view(shape)
-    var = dist_nn.all_reduce((centered * centered).sum(channel_dims), group=group) / count
+    var = _SumOverRanks.apply((centered * centered).sum(channel_dims), group) / count
     out = centered * torch.rsqrt(var + bn.eps).view(shape)
     if bn.weight is not None:
         out = out * bn.weight.view(shape)
