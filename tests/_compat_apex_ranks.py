@@ -103,6 +103,8 @@ errors["syncbn_group_sizes"] = float(abs(dist.get_world_size(whole) - world_size
 errors["syncbn_group_zero_is_world"] = float(create_syncbn_process_group(0) is not None)
 errors["syncbn_is_apex"] = float(not isinstance(model[0], SyncBatchNorm))
 
+# Rank 0 hosts the store every rank talks to: nobody leaves before all are done with it.
+dist.barrier()
 print(json.dumps({"rank": rank, "apex": apex.__file__, "errors": errors}))
 sys.stdout.flush()
 dist.destroy_process_group()
