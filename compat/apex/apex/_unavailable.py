@@ -28,7 +28,7 @@ __all__ = ["UNAVAILABLE_MODULES", "UNAVAILABLE_NAMES", "UnavailableFinder", "ins
 
 _OPTIMIZERS_NOTE = "apex_amp provides apex.optimizers.FusedAdam only"
 
-# Modules of NVIDIA apex (as of its last release with amp, 25.04) that are not provided. An entry
+# Modules of NVIDIA apex (as of 25.05, its last release with amp) that are not provided. An entry
 # also covers its submodules (`apex.contrib` covers `apex.contrib.xentropy.softmax_xentropy`).
 # Every entry's parent is a package the compat package provides (apex, apex.optimizers,
 # apex.parallel): Python imports the parent first, so an entry below a missing one is never reached.
@@ -161,14 +161,15 @@ def missing_attribute(module_name: str, attribute: str) -> AttributeError:
 
 
 class _RaisingLoader(importlib.abc.Loader):
-    def __init__(self, error: ImportError) -> None:
-        self.error = error
+    def __init__(self, error_type: type[ImportError], message: str) -> None:
+        self.error_type = error_type
+        self.message = message
 
     def create_module(self, spec):
-        raise self.error
+        raise self.error_type(self.message, name=spec.name)
 
     def exec_module(self, module) -> None:  # never reached: create_module raised
-        raise self.error
+        raise self.error_type(self.message, name=module.__name__)
 
 
 class UnavailableFinder(importlib.abc.MetaPathFinder):
@@ -191,10 +192,10 @@ class UnavailableFinder(importlib.abc.MetaPathFinder):
             # here after the attribute lookup failed; a ModuleNotFoundError would be swallowed by
             # that import and replaced by Python's generic "cannot import name", so this one is a
             # plain ImportError.
-            error = ImportError(message, name=fullname)
+            error_type = ImportError
         else:
-            error = ModuleNotFoundError(message, name=fullname)
-        return importlib.machinery.ModuleSpec(fullname, _RaisingLoader(error))
+            error_type = ModuleNotFoundError
+        return importlib.machinery.ModuleSpec(fullname, _RaisingLoader(error_type, message))
 
 
 def install_finder() -> None:

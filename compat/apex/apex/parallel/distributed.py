@@ -42,7 +42,7 @@ def _apex_allreduce_hook(options: _ReduceOptions, bucket: dist.GradBucket) -> to
     # apex's arithmetic: divide by gradient_predivide_factor before the sum, by
     # world_size / gradient_predivide_factor after it (only when averaging), in fp32 if asked.
     buffer = bucket.buffer()
-    reduced = buffer.float() if options.always_fp32 else buffer.clone()
+    reduced = buffer.float() if options.always_fp32 else buffer  # in place, as torch's own hook
     if options.predivide_factor != 1.0:
         reduced.div_(options.predivide_factor)
     world_size = dist.get_world_size(options.process_group)
@@ -52,7 +52,8 @@ def _apex_allreduce_hook(options: _ReduceOptions, bucket: dist.GradBucket) -> to
         total = future.value()[0]
         if options.average:
             total.mul_(options.predivide_factor / world_size)
-        buffer.copy_(total)
+        if total is not buffer:
+            buffer.copy_(total)
         return buffer
 
     return work.get_future().then(finish)
@@ -162,7 +163,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                                  "with apex.parallel.convert_syncbn_model, whose SyncBatchNorm also runs on CPU")
 
     def disable_allreduce(self) -> None:
-        """Skip the gradient reduction of the backward passes of the following forwards (apex's name for ``no_sync``)."""
+        """Skip the gradient reduction in the backward of every following forward (apex's ``no_sync``)."""
         self.require_backward_grad_sync = False
 
     def enable_allreduce(self) -> None:
