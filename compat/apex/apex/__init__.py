@@ -1,0 +1,51 @@
+"""apex_amp's ``apex`` compat package: NVIDIA apex's import names for third-party code, on apex_amp.
+
+Installed only on request (``pip install ./compat/apex`` from the apex_amp repository), for code
+that imports apex itself and cannot be edited, such as the Hugging Face Trainer
+(``half_precision_backend="apex"``) and timm's ``train.py --amp-impl apex``:
+
+- ``apex.amp`` is ``apex_amp.amp`` (the same module object) and ``apex.optimizers.FusedAdam`` is
+  ``apex_amp.optimizers.FusedAdam`` (the same class);
+- ``apex.parallel.DistributedDataParallel``, ``SyncBatchNorm`` and ``convert_syncbn_model`` take
+  apex's arguments on top of torch's DistributedDataParallel and SyncBatchNorm;
+- every other part of NVIDIA apex (``apex.fp16_utils``, ``apex.normalization``, ``apex.contrib``,
+  ``apex.optimizers.FusedLAMB``, ...) raises an ImportError that names its replacement.
+
+It refuses to import when another apex (NVIDIA's, or any other package of that name) is
+visible too, rather than hide it.
+
+Example::
+
+    >>> import apex
+    >>> from apex import amp
+    >>> from apex.optimizers import FusedAdam
+    >>> import apex_amp
+    >>> amp is apex_amp.amp and FusedAdam is apex_amp.optimizers.FusedAdam
+    True
+"""
+
+import sys
+
+from ._apex_amp_guard import refuse_if_shadowing
+
+# First, before importing torch: a refusal costs nothing and says why at once. This package's
+# own folder carries the guard's marker file, so it does not count as another apex.
+refuse_if_shadowing(sys.path, action="import")
+
+from apex_amp import amp  # noqa: E402
+
+from . import _unavailable  # noqa: E402
+
+# `import apex.amp` and `from apex.amp import scale_loss` must reach apex_amp.amp itself, not a
+# second copy; the finder refuses apex.amp's submodules for the same reason.
+sys.modules[__name__ + ".amp"] = amp
+_unavailable.install_finder()
+
+from . import optimizers, parallel  # noqa: E402
+
+__all__ = ["amp", "optimizers", "parallel"]
+
+
+def __getattr__(name: str):
+    # apex.normalization, apex.fp16_utils, ... accessed without an import: say what to use instead.
+    raise _unavailable.missing_attribute(__name__, name)

@@ -1,0 +1,204 @@
+"""The parts of NVIDIA apex that the compat package does not provide, each with its replacement.
+
+One table, two kinds of entry: modules (``import apex.normalization``) and names inside a module
+we do provide (``from apex.optimizers import FusedLAMB``). Everything that reports a missing
+part reads it from here:
+
+- :class:`UnavailableFinder`, first on ``sys.meta_path``, turns an import of a listed module or
+  name into an ``ImportError`` (``ModuleNotFoundError`` for modules) whose message names the
+  replacement. It also refuses every submodule of ``apex.amp``: that name is an alias of
+  ``apex_amp.amp``, and without the finder ``import apex.amp.handle`` would load apex_amp's own
+  ``handle.py`` a second time as a separate module with its own state.
+- :func:`missing_attribute` gives the packages' ``__getattr__`` the same messages as an
+  ``AttributeError``, so ``hasattr(apex.optimizers, "FusedLAMB")`` stays ``False`` and
+  ``apex.normalization`` (without an import) still says what to use instead.
+
+No entry is a stub: nothing listed here can be imported.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Optional
+
+__all__ = ["UNAVAILABLE_MODULES", "UNAVAILABLE_NAMES", "UnavailableFinder", "install_finder", "missing_attribute",
+           "message_for"]
+
+_OPTIMIZERS_NOTE = "apex_amp provides apex.optimizers.FusedAdam only"
+
+# Modules of NVIDIA apex (as of 25.05, its last release with amp) that are not provided. An entry
+# also covers its submodules (`apex.contrib` covers `apex.contrib.xentropy.softmax_xentropy`).
+# Every entry's parent is a package the compat package provides (apex, apex.optimizers,
+# apex.parallel): Python imports the parent first, so an entry below a missing one is never reached.
+UNAVAILABLE_MODULES: dict[str, str] = {
+    "apex.fp16_utils": (
+        "FP16_Optimizer, network_to_half and the other fp16_utils helpers are not provided: "
+        "use apex.amp.initialize(model, optimizer, opt_level='O2') (half model, fp32 master weights, "
+        "dynamic loss scaling), or torch.autocast with torch.amp.GradScaler"
+    ),
+    "apex.multi_tensor_apply": (
+        "multi_tensor_applier and NVIDIA apex's amp_C kernels are not provided: use apex_amp.ops "
+        "(scale_, unscale_, axpby_, l2norm, check_finite, fused_adam_) or torch's torch._foreach_* ops"
+    ),
+    "apex.normalization": (
+        "FusedLayerNorm, FusedRMSNorm and the fused_layer_norm functions are not provided: "
+        "use torch.nn.LayerNorm and torch.nn.RMSNorm (torch.nn.functional.layer_norm / rms_norm)"
+    ),
+    # One entry for all of apex.contrib: importing apex.contrib.xentropy imports apex.contrib
+    # first, so a message of its own would never be seen.
+    "apex.contrib": (
+        "apex.contrib's CUDA-only extensions are not provided. Replacements: optimizers.DistributedFusedAdam "
+        "-> use torch.optim.AdamW(fused=True) with torch.distributed.fsdp.fully_shard or "
+        "torch.distributed.optim.ZeroRedundancyOptimizer; xentropy -> torch.nn.CrossEntropyLoss(label_smoothing=...); "
+        "focal_loss -> torchvision.ops.sigmoid_focal_loss; group_norm -> torch.nn.GroupNorm; layer_norm -> "
+        "torch.nn.LayerNorm; clip_grad -> torch.nn.utils.clip_grad_norm_(foreach=True); sparsity (ASP) -> "
+        "torch.sparse.to_sparse_semi_structured; fused attention (fmha, multihead_attn) -> "
+        "torch.nn.functional.scaled_dot_product_attention; other fusions -> torch.compile"
+    ),
+    "apex.transformer": (
+        "apex.transformer (Megatron's tensor and pipeline parallelism) is not provided: use Megatron-Core "
+        "(megatron.core), or torch.distributed.tensor.parallel and torch.distributed.pipelining"
+    ),
+    "apex.mlp": "MLP is not provided: use torch.nn.Linear layers in a torch.nn.Sequential (torch.compile fuses them)",
+    "apex.fused_dense": "FusedDense is not provided: use torch.nn.Linear (torch.compile fuses the bias and activation)",
+    "apex.RNN": "apex.RNN is not provided: use torch.nn.LSTM, torch.nn.GRU or torch.nn.RNN",
+    "apex.parallel.multiproc": (
+        "apex.parallel.multiproc is not provided: use torchrun to launch "
+        "(python -m torch.distributed.run --nproc_per_node=N train.py)"
+    ),
+    "apex.parallel.optimized_sync_batchnorm": "use apex.parallel.SyncBatchNorm (or torch.nn.SyncBatchNorm)",
+    "apex.parallel.optimized_sync_batchnorm_kernel": "use apex.parallel.SyncBatchNorm (or torch.nn.SyncBatchNorm)",
+    "apex.parallel.sync_batchnorm_kernel": "use apex.parallel.SyncBatchNorm (or torch.nn.SyncBatchNorm)",
+}
+
+# apex's other optimizers, by class name, with the module apex defined each in.
+_OPTIMIZERS: dict[str, tuple[str, str]] = {
+    "FusedSGD": ("fused_sgd", f"FusedSGD is not provided ({_OPTIMIZERS_NOTE}): use torch.optim.SGD(..., fused=True)"),
+    "FusedLAMB": ("fused_lamb", (
+        f"FusedLAMB is not provided ({_OPTIMIZERS_NOTE}) and torch has no LAMB: use timm.optim.Lamb"
+    )),
+    "FusedMixedPrecisionLamb": ("fused_mixed_precision_lamb", (
+        f"FusedMixedPrecisionLamb is not provided ({_OPTIMIZERS_NOTE}): use timm.optim.Lamb under "
+        "apex.amp.initialize(..., opt_level='O2') for fp32 master weights"
+    )),
+    "FusedNovoGrad": ("fused_novograd", (
+        f"FusedNovoGrad is not provided ({_OPTIMIZERS_NOTE}) and torch has no NovoGrad: use timm.optim.NvNovoGrad"
+    )),
+    "FusedAdagrad": ("fused_adagrad", (
+        f"FusedAdagrad is not provided ({_OPTIMIZERS_NOTE}): use torch.optim.Adagrad(..., fused=True)"
+    )),
+}
+UNAVAILABLE_MODULES.update({f"apex.optimizers.{module}": message for module, message in _OPTIMIZERS.values()})
+
+# Names inside modules the compat package does provide.
+UNAVAILABLE_NAMES: dict[str, str] = {
+    **{f"apex.optimizers.{name}": message for name, (_, message) in _OPTIMIZERS.items()},
+    "apex.parallel.Reducer": (
+        "Reducer is not provided: use apex.parallel.DistributedDataParallel and delay the reduction with "
+        "its no_sync() context, or torch.distributed.all_reduce on the gradients"
+    ),
+    # A module in apex (`from apex.parallel.LARC import LARC`), listed as a name so that
+    # `from apex.parallel import LARC` carries the message too (see UnavailableFinder).
+    "apex.parallel.LARC": (
+        "LARC is not provided and torch has none: use timm.optim.Lars(..., trust_clip=True) "
+        "(LARS with LARC's clipping)"
+    ),
+}
+
+_AMP_SUBMODULE = (
+    "{name} is an internal module of NVIDIA apex's amp and is not provided: apex.amp here is apex_amp.amp, "
+    "whose public API (initialize, scale_loss, master_params, state_dict, load_state_dict, disable_casts, "
+    "register_*_function, ...) is imported from apex.amp itself"
+)
+_AMP_STATE = (
+    "apex.amp._amp_state is NVIDIA apex's internal state and is not provided: read the loss scale with "
+    "apex.amp.loss_scale(loss_id) and save or restore it with apex.amp.state_dict() / load_state_dict()"
+)
+
+
+# NVIDIA apex's amp modules. `from apex.amp import _amp_state` looks for `apex_amp.amp._amp_state`
+# (Python uses the module's own name), so the finder answers for these under apex_amp.amp too,
+# but only while apex_amp has no real module of that name.
+APEX_AMP_MODULES = ("_amp_state", "_initialize", "_process_optimizer", "amp", "compat", "lists", "opt",
+                    "rnn_compat", "scaler", "utils", "wrap")
+
+
+def _apex_amp_submodule(fullname: str) -> Optional[str]:
+    # "apex.amp.x.y" or "apex_amp.amp.x" (x one of apex's amp modules) -> "x"; else None.
+    for prefix in ("apex.amp.", "apex_amp.amp."):
+        if fullname.startswith(prefix):
+            first = fullname[len(prefix):].partition(".")[0]
+            if prefix == "apex.amp." or first in APEX_AMP_MODULES:
+                return first
+    return None
+
+
+def message_for(fullname: str) -> Optional[str]:
+    """The message for an unavailable module or name (dotted), or None if it is not listed."""
+    amp_module = _apex_amp_submodule(fullname)
+    if amp_module == "_amp_state":
+        return _AMP_STATE
+    if amp_module is not None:
+        return _AMP_SUBMODULE.format(name="apex.amp." + fullname.split(".amp.", 1)[1])
+    if fullname in UNAVAILABLE_NAMES:
+        return UNAVAILABLE_NAMES[fullname]
+    module = fullname
+    while module:
+        if module in UNAVAILABLE_MODULES:
+            return f"{fullname}: {UNAVAILABLE_MODULES[module]}"
+        module = module.rpartition(".")[0]
+    return None
+
+
+def missing_attribute(module_name: str, attribute: str) -> AttributeError:
+    """The AttributeError for ``module_name.attribute``, with the replacement when the name is listed."""
+    message = message_for(f"{module_name}.{attribute}")
+    if message is None:
+        message = f"module {module_name!r} has no attribute {attribute!r}"
+    return AttributeError(message, name=attribute)
+
+
+class _RaisingLoader(importlib.abc.Loader):
+    def __init__(self, error_type: type[ImportError], message: str) -> None:
+        self.error_type = error_type
+        self.message = message
+
+    def create_module(self, spec):
+        raise self.error_type(self.message, name=spec.name)
+
+    def exec_module(self, module) -> None:  # never reached: create_module raised
+        raise self.error_type(self.message, name=module.__name__)
+
+
+class UnavailableFinder(importlib.abc.MetaPathFinder):
+    """Finds the listed apex modules and names, with a loader that raises their ImportError.
+
+    A found spec (rather than ``None``) is what lets the message reach the user: for ``None``
+    Python raises its own "No module named ..." instead.
+    """
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.startswith(("apex.", "apex_amp.amp.")):
+            return None
+        message = message_for(fullname)
+        if message is None:
+            return None
+        if fullname.startswith("apex_amp.") and importlib.machinery.PathFinder.find_spec(fullname, path) is not None:
+            return None  # apex_amp's own module of that name: never stand in its way
+        if fullname in UNAVAILABLE_NAMES or fullname.startswith("apex_amp."):
+            # `from apex.optimizers import FusedLAMB` (or `from apex.amp import _amp_state`) ends
+            # here after the attribute lookup failed; a ModuleNotFoundError would be swallowed by
+            # that import and replaced by Python's generic "cannot import name", so this one is a
+            # plain ImportError.
+            error_type = ImportError
+        else:
+            error_type = ModuleNotFoundError
+        return importlib.machinery.ModuleSpec(fullname, _RaisingLoader(error_type, message))
+
+
+def install_finder() -> None:
+    """Put one :class:`UnavailableFinder` first on ``sys.meta_path`` (again importing apex adds no second one)."""
+    if not any(isinstance(finder, UnavailableFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, UnavailableFinder())
