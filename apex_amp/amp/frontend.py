@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -12,7 +13,7 @@ from . import casting, sessions
 from .diagnostics import overflow
 from .distributed import check_sharded_models, note_ddp_wrappers, overflow_group
 from .master_weights import attach_masters
-from .model_casting import add_cast_hooks, add_master_state_dict_hooks, cast_model_
+from .model_casting import add_cast_hooks, add_fp32_state_dict_hooks, cast_model_
 from .._dtypes import HALF_DTYPES
 from .opt_levels import parse_flag, resolve_properties
 from .overflow_log import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS
@@ -79,6 +80,37 @@ def _check_each_param_in_one_optimizer(models: list[nn.Module], optimizers: list
             owner[param] = where
 
 
+HALF_DTYPE_VARIABLE = "APEX_AMP_HALF_DTYPE"
+_HALF_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _half_dtype(half_dtype: Optional[torch.dtype]) -> torch.dtype:
+    # An explicit argument wins over the environment; the environment over apex's fp16.
+    if half_dtype is not None:
+        return half_dtype
+    name = os.environ.get(HALF_DTYPE_VARIABLE)
+    if name is None or name == "":
+        return torch.float16
+    if name.strip().lower() not in _HALF_DTYPE_NAMES:
+        raise ValueError(
+            f"{HALF_DTYPE_VARIABLE}={name!r} is not a half dtype; set it to one of {sorted(_HALF_DTYPE_NAMES)} "
+            "(or unset it for float16), or pass half_dtype= to amp.initialize"
+        )
+    return _HALF_DTYPE_NAMES[name.strip().lower()]
+
+
+def _announce(message: str) -> None:
+    # apex printed the chosen opt level and properties (on rank 0). Here it is an INFO record
+    # of the "apex_amp" logger; when the program has configured no logging at all, Python's
+    # own last-resort handler (stderr) shows it, as Python does for warnings.
+    if _world_size() > 1 and torch.distributed.get_rank() != 0:
+        return
+    if logger.hasHandlers():
+        logger.info("%s", message)
+    elif logger.getEffectiveLevel() <= logging.WARNING:  # not raised above the default by the user
+        logging.lastResort.handle(logger.makeRecord(logger.name, logging.INFO, __file__, 0, "%s", (message,), None))
+
+
 def _world_size() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
@@ -111,7 +143,7 @@ def initialize(
     verbosity: int = 1,
     min_loss_scale: Optional[float] = None,
     max_loss_scale: float = 2.0**24,
-    half_dtype: torch.dtype = torch.float16,
+    half_dtype: Optional[torch.dtype] = None,
     *,
     skip_nonfinite: bool = False,
     allow_banned: bool = False,
@@ -126,7 +158,8 @@ def initialize(
 
     Args:
         models: a ``torch.nn.Module`` or a list of them (not yet wrapped in DDP/DataParallel).
-        optimizers: a ``torch.optim.Optimizer``, a list of them, or None.
+        optimizers: a ``torch.optim.Optimizer`` (or a wrapper holding one in ``.optim``, such as
+            :class:`apex_amp.optimizers.LARC`), a list of them, or None.
         enabled: False returns everything untouched and makes ``scale_loss`` a pass-through.
         opt_level: "O0" (fp32), "O1" (per-op casts), "O2" (half model, fp32 masters), "O3" (half everything).
         cast_model_type: override of the dtype the model is cast to (O0/O2/O3).
@@ -140,7 +173,10 @@ def initialize(
         min_loss_scale: floor of a dynamic scale (default 1.0); a normal float32 (not 0, not a denormal).
         max_loss_scale: cap of a dynamic scale.
         half_dtype: torch.float16 or torch.bfloat16 for every level; with bf16 the
-            default scale is a static 1.0, with the gradient checks kept on.
+            default scale is a static 1.0, with the gradient checks kept on. None (the
+            default): the environment variable ``APEX_AMP_HALF_DTYPE`` ("bfloat16" or
+            "float16") if set, else torch.float16 (apex's half), so third-party apex code
+            trains in bf16 without an edit.
         skip_nonfinite: check gradients and skip non-finite steps at every level,
             static ones included (O0/O3 do not check by default, as in apex).
         allow_banned: let O1 run functions it bans in half precision (binary_cross_entropy).
@@ -200,7 +236,7 @@ def initialize(
         return result()
 
     properties = resolve_properties(
-        opt_level, half_dtype=half_dtype, cast_model_type=cast_model_type,
+        opt_level, half_dtype=_half_dtype(half_dtype), cast_model_type=cast_model_type,
         patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=master_weights, loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
         num_losses=num_losses, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
@@ -222,7 +258,7 @@ def initialize(
     # FSDP: each rank checks only its gradient shard, so the ranks must agree unless told otherwise.
     sync_group = sharded_group if sync_overflow is None else overflow_group(sync_overflow)
     if verbosity >= 1:
-        logger.info("%s", properties.describe())
+        _announce(properties.describe())
 
     # Masters start from the user's exact fp32 weights, not from their half rounding.
     fp32_values = {}
@@ -243,13 +279,16 @@ def initialize(
         if output_dtype is None and model_is_half:
             output_dtype = torch.float32
         add_cast_hooks(model, model_dtype, output_dtype)
+        if model_is_half:  # O2 and O3 (as apex): checkpoints hold fp32, the masters where there are any
+            add_fp32_state_dict_hooks(model, session.master_of)
         if properties.master_weights:
-            add_master_state_dict_hooks(model, session.master_of)
             if _world_size() > 1:
                 note_ddp_wrappers(model, session.ddp_wrappers)  # to follow DDP's broadcast, as apex did
+    given = list(optimizers) if isinstance(optimizers, (list, tuple)) else [] if optimizers is None else [optimizers]
+    wrapped = {id(sessions.unwrap(o)) for o in given if not isinstance(o, torch.optim.Optimizer)}
     for optimizer in optimizer_list:
         links = attach_masters(optimizer, fp32_values=fp32_values) if properties.master_weights else []
-        session.add_optimizer(optimizer, links)
+        session.add_optimizer(optimizer, links, wrapped=id(optimizer) in wrapped)
     del fp32_values
 
     if properties.patch_torch_functions:

@@ -143,17 +143,22 @@ class GradLifecycle:
         make_masters: param groups added later get masters too (O2).
         on_new_links: called with the masters of param groups added later.
         account_pass: accounts a DELAYED accumulation's pass when it is finally checked.
+        wrapped: the user passed a wrapper (LARC) whose step reads the gradients before this
+            optimizer's: they are then never kept scaled.
     """
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, links: list[MasterLink], *, device: torch.device,
         make_masters: bool, on_new_links: Callable[[list[MasterLink]], None], account_pass: AccountPass,
+        wrapped: bool = False,
     ) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._device = device
         self._account_pass = account_pass
         # FusedAdam-like: step() takes found_inf / inv_scale / model_params and decides on the device.
         self.takes_step_kwargs = bool(getattr(type(optimizer), "_apex_amp_step_kwargs", False))
+        # Gradients may stay scaled until the step only if nothing reads them before it.
+        self.keeps_scaled = self.takes_step_kwargs and not wrapped
         self.params = OptimizerParams(optimizer, links, make_masters=make_masters, on_new_links=on_new_links)
         self.state = GradState.EMPTY
         self.steps = 0  # optimizer.step() calls, taken or skipped
@@ -276,7 +281,7 @@ class GradLifecycle:
             self.kept_scale = scale
             self._move(GradState.DELAYED)
             return False
-        if self.takes_step_kwargs and not has_old:
+        if self.keeps_scaled and not has_old:
             if scale.checked:
                 mt.check_finite(self._new_grads(), found_inf)
             self.held = {}

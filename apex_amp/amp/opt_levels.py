@@ -172,7 +172,8 @@ def _check_collapse_steps(warn_steps: Any, raise_steps: Any) -> None:
 def _check_dtype(name: str, value: Any, allowed: tuple) -> None:
     if value is not None and value not in allowed:
         names = ", ".join(str(d) for d in allowed)
-        raise ValueError(f"{name} must be None or one of {names}, got {value!r}")
+        also = " or False (do not cast)" if name == "cast_model_type" else ""
+        raise ValueError(f"{name} must be None{also} or one of {names}, got {value!r}")
 
 
 def resolve_properties(
@@ -205,13 +206,16 @@ def resolve_properties(
     if table["cast_model_type"] == _HALF:
         table["cast_model_type"] = half_dtype
 
-    # cast_model_type
+    # cast_model_type: False means "do not cast the model", as in apex
+    if cast_model_type is False:
+        table["cast_model_type"] = None
+        cast_model_type = None
     _check_dtype("cast_model_type", cast_model_type, MODEL_DTYPES)
     if cast_model_type is not None:
-        if level == "O1":
+        if level == "O1" and cast_model_type != torch.float32:
             raise ValueError(
-                "cast_model_type cannot be set with O1: O1 leaves the model in fp32 and casts per op; "
-                "use O2 or O3 to cast the whole model"
+                f"cast_model_type={cast_model_type} cannot be set with O1: O1 leaves the model in fp32 and "
+                "casts per op; use O2 or O3 to cast the whole model (or cast_model_type=False/None)"
             )
         if cast_model_type in HALF_DTYPES and cast_model_type != half_dtype:
             raise ValueError(
