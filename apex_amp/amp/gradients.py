@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import logging
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -71,12 +70,9 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from .master_weights import MasterLink, OptimizerParams, adopt_model_weights, mismatched_links
+from .master_weights import MasterLink, OptimizerParams, reconcile_masters
 
 __all__ = ["GradState", "PassScale", "GradLifecycle", "settle_for_pass"]
-
-logger = logging.getLogger("apex_amp")
-
 
 class GradState(enum.Enum):
     EMPTY = "no amp gradients since the last step"
@@ -500,31 +496,9 @@ class GradLifecycle:
         self.params.sync(self._optimizer())
 
     def _reconcile_masters_once(self) -> None:
-        # apex made its masters at the first backward, from the model's weights as they were then:
-        # weights changed after initialize (a user's init or load, DDP's broadcast) were kept.
-        if self._masters_reconciled:
-            return
-        self._masters_reconciled = True
-        links = self.params.links
-        changed = mismatched_links(links) if links else []
-        if not changed:
-            return
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and (
-            torch.distributed.get_world_size() > 1
-        ):
-            raise RuntimeError(
-                f"rank {torch.distributed.get_rank()}: {len(changed)} model weights are not the rounding of "
-                f"amp's fp32 master weights (the first is master index {changed[0]}). amp.initialize made the "
-                "masters from this rank's own weights, and the weights were changed since (DistributedDataParallel "
-                "broadcasts rank 0's weights into the model; amp follows that by itself unless the wrapper runs "
-                "its Python reducer). Build the model from the same seed on every rank, or call "
-                "amp.sync_masters(ddp_model, optimizer) after wrapping, or pass model=ddp_model to amp.scale_loss"
-            )
-        adopt_model_weights([links[index] for index in changed])
-        logger.info(
-            "amp: %d model weights were changed after amp.initialize; their fp32 masters now start from them",
-            len(changed),
-        )
+        if not self._masters_reconciled:
+            self._masters_reconciled = True
+            reconcile_masters(self.params.links)
 
 
 def settle_for_pass(lifecycles: Sequence[GradLifecycle], current_key: Callable[[], tuple[int, int]]) -> None:
