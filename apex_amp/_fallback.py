@@ -46,7 +46,7 @@ SCHEMAS = {
         "(Tensor(a!) scale, Tensor(b!) growth_tracker, "
         "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
         "float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
-        "float max_scale) -> ()"
+        "float max_scale, bool consecutive_hysteresis) -> ()"
     ),
 }
 
@@ -228,6 +228,11 @@ def fused_adam_(
     _commit([step], [step_after], taken)
 
 
+def _times(scale: Tensor, factor: float) -> Tensor:
+    # amp_math.h: the fp32 scale times a double factor, rounded once to fp32.
+    return (scale.double() * factor).float()
+
+
 @_op("update_scale_", mutates_args=("scale", "growth_tracker", "hysteresis_tracker"))
 def update_scale_(
     scale: Tensor,
@@ -240,13 +245,14 @@ def update_scale_(
     hysteresis: int,
     min_scale: float,
     max_scale: float,
+    consecutive_hysteresis: bool,
 ) -> None:
     _validate.validate_update_scale(
         scale, growth_tracker, hysteresis_tracker, found_inf,
         growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
     )
-    # amp_math.h's update_scale_math with both branches computed and the
-    # right one picked on the device (no host sync).
+    # amp_math.h's update_scale_math restated in torch ops, for installs without a compiler: both
+    # branches computed and the right one picked on the device (no host sync).
     min_scale, max_scale = _f32(min_scale), _f32(max_scale)
     overflow = found_inf.reshape(()) != 0
     old_scale = scale.reshape(())
@@ -254,22 +260,21 @@ def update_scale_(
     old_hysteresis = hysteresis_tracker.reshape(())
 
     spent_hysteresis = torch.clamp_min(old_hysteresis - 1, 0)
-    reduced = old_scale * _f32(backoff_factor)
+    reduced = _times(old_scale, backoff_factor)
     backed_off = torch.where(reduced > min_scale, reduced, min_scale)
-    scale_on_overflow = torch.where(spent_hysteresis <= 0, backed_off, old_scale)
+    scale_on_overflow = torch.where(spent_hysteresis == 0, backed_off, old_scale)
 
     counted = old_growth + 1
     grows = counted >= growth_interval
-    grown = old_scale * _f32(growth_factor)
-    # A grown scale above max_scale is capped; one that overflows float never replaces the old.
-    capped = torch.where(grown <= max_scale, grown, torch.where(old_scale < max_scale, max_scale, old_scale))
-    scale_when_clean = torch.where(grows, capped, old_scale)
+    grown = _times(old_scale, growth_factor)
+    capped = torch.where(grown <= max_scale, grown, torch.where(old_scale > max_scale, old_scale, max_scale))
+    # A product that is inf in fp32 is no scale: the old one stays.
+    scale_when_clean = torch.where(grows & torch.isfinite(grown), capped, old_scale)
+    refilled = hysteresis if consecutive_hysteresis else torch.where(grows, hysteresis, old_hysteresis)
 
     scale.copy_(torch.where(overflow, scale_on_overflow, scale_when_clean))
     growth_tracker.copy_(torch.where(overflow | grows, 0, counted))
-    hysteresis_tracker.copy_(
-        torch.where(overflow, spent_hysteresis, torch.where(grows, hysteresis, old_hysteresis))
-    )
+    hysteresis_tracker.copy_(torch.where(overflow, spent_hysteresis, refilled))
 
 
 # Fake (meta) kernels: validate like the real ones, then describe the outputs.
@@ -298,6 +303,10 @@ def _fake_fused_adam(
     )
 
 
+def _fake_update_scale(*args) -> None:
+    _validate.validate_update_scale(*args[:10])  # consecutive_hysteresis, a bool, needs no check
+
+
 def _fake_axpby(x, y, a, b, found_inf) -> None:
     _validate.validate_axpby(x, y, a, found_inf)
 
@@ -310,7 +319,7 @@ FAKE_KERNELS = {
     "axpby_": _fake_axpby,
     "l2norm": _fake_l2norm,
     "fused_adam_": _fake_fused_adam,
-    "update_scale_": _fake_returning_none(_validate.validate_update_scale),
+    "update_scale_": _fake_update_scale,
 }
 
 for _name, _fake in FAKE_KERNELS.items():

@@ -342,10 +342,10 @@ def validate_update_scale(
         _fail(op, f"growth_factor must be >= 1, got {_number(growth_factor)}")
     if not 0.0 < backoff_factor < 1.0:
         _fail(op, f"backoff_factor must be in (0, 1), got {_number(backoff_factor)}")
-    if not 0.0 < min_scale <= max_scale:
+    if not 0.0 <= min_scale <= max_scale:
         _fail(
             op,
-            f"need 0 < min_scale <= max_scale, got min_scale={_number(min_scale)} "
+            f"need 0 <= min_scale <= max_scale, got min_scale={_number(min_scale)} "
             f"and max_scale={_number(max_scale)}",
         )
     return device

@@ -221,9 +221,10 @@ inline void validate_update_scale(
   TORCH_CHECK(
       backoff_factor > 0.0 && backoff_factor < 1.0, "apex_amp.", op,
       ": backoff_factor must be in (0, 1), got ", backoff_factor);
+  // min_scale 0 and max_scale inf turn the floor and the cap off (apex's rule).
   TORCH_CHECK(
-      min_scale > 0.0 && min_scale <= max_scale, "apex_amp.", op,
-      ": need 0 < min_scale <= max_scale, got min_scale=", min_scale, " and max_scale=",
+      min_scale >= 0.0 && min_scale <= max_scale, "apex_amp.", op,
+      ": need 0 <= min_scale <= max_scale, got min_scale=", min_scale, " and max_scale=",
       max_scale);
 }
 

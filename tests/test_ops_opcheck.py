@@ -45,9 +45,10 @@ def _samples():
         (True, 1.0, True, "skipped"),
     ):
         yield "fused_adam_", name, *_adam_sample(model_copy, found_inf, inv_scale)
-    for found_inf in (0.0, 1.0):
-        args = [t.clone() for t in scale_state] + [ref.flag(found_inf), 2.0, 0.5, 1, 1, 1.0, 2.0**24]
-        yield "update_scale_", f"found_inf={found_inf:g}", args, {}
+    for found_inf, consecutive in ((0.0, True), (1.0, True), (0.0, False)):
+        rule = ref.ScaleRule(growth_interval=1, consecutive_hysteresis=consecutive)
+        args = [t.clone() for t in scale_state] + [ref.flag(found_inf), *rule.op_args()]
+        yield "update_scale_", f"found_inf={found_inf:g}-consecutive={consecutive}", args, {}
 
 
 SAMPLES = list(_samples())

@@ -59,6 +59,7 @@ def _update_scale(amp_ops, scale=None, growth_tracker=None, hysteresis_tracker=N
         "hysteresis": 1,
         "min_scale": 1.0,
         "max_scale": 2.0**24,
+        "consecutive_hysteresis": True,
     }
     args.update(rule)
     amp_ops.update_scale_(
@@ -201,10 +202,10 @@ CASES = [
      "update_scale_: growth_factor must be >= 1, got 0.5"),
     ("update_scale-backoff_factor", lambda o: _update_scale(o, backoff_factor=1.0),
      "update_scale_: backoff_factor must be in (0, 1), got 1"),
-    ("update_scale-min_scale", lambda o: _update_scale(o, min_scale=0.0),
-     "update_scale_: need 0 < min_scale <= max_scale, got min_scale=0 and max_scale=1.67772e+07"),
+    ("update_scale-min_scale", lambda o: _update_scale(o, min_scale=-1.0),
+     "update_scale_: need 0 <= min_scale <= max_scale, got min_scale=-1 and max_scale=1.67772e+07"),
     ("update_scale-min-above-max", lambda o: _update_scale(o, min_scale=4.0, max_scale=2.0),
-     "update_scale_: need 0 < min_scale <= max_scale, got min_scale=4 and max_scale=2"),
+     "update_scale_: need 0 <= min_scale <= max_scale, got min_scale=4 and max_scale=2"),
 ]
 
 
