@@ -12,6 +12,12 @@ Conventions:
   * ``inv_scale`` / ``scale`` / ``a`` are one-element float32 tensors on the
     tensors' device, so no call forces a host sync.
   * fp32, fp16 and bf16 tensors may be mixed in one list; math runs in fp32.
+  * tensors may have any dense layout (contiguous, channels_last,
+    channels_last_3d, permuted); corresponding tensors of different lists
+    (``src[i]`` and ``dst[i]``, ``params[i]`` and ``grads[i]``, ...) are
+    paired element by element in memory, so they must share it: both
+    contiguous, or the same sizes and strides (``torch.empty_like`` gives
+    that). Tensors that are not dense (expanded, strided slices) are refused.
 
 Example::
 
@@ -51,17 +57,6 @@ __all__ = [
 # "extension" or "fallback": which implementation these wrappers call.
 BACKEND: str = "extension" if STATUS.loaded else "fallback"
 
-OP_NAMES = (
-    "check_finite",
-    "unscale_",
-    "scale_",
-    "axpby_",
-    "l2norm",
-    "fused_adam_",
-    "update_scale_",
-)
-
-
 def backend_namespace(backend: Optional[str] = None):
     """The ``torch.ops`` namespace of ``backend`` ("extension" or "fallback").
 
@@ -94,8 +89,8 @@ def backend_namespace(backend: Optional[str] = None):
 _ops = backend_namespace()
 
 # Fake (meta) kernels of the compiled ops, for torch.compile and meta tensors:
-# the fallback's, which validate arguments like the kernels and describe the
-# outputs (none for the in-place ops, new fp32 tensors for l2norm).
+# the fallback's, which check the arguments' metadata and describe the outputs
+# (none for the in-place ops, new fp32 tensors for l2norm).
 if STATUS.loaded:
     for _name, _fake_kernel in _fallback.FAKE_KERNELS.items():
         torch.library.register_fake(f"apex_amp::{_name}", _fake_kernel)
