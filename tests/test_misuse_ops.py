@@ -1,4 +1,4 @@
-"""Misuse of the ops in apex_amp.ops: tensors on mixed devices, non-contiguous, overlapping or aliased
+"""Misuse of the ops in apex_amp.ops: tensors on mixed devices, not dense, overlapping or aliased
 tensors, mismatched list lengths, dtypes and layouts, on both backends.
 
 Each bad call raises RuntimeError naming the op and the argument (tests/_errors.py), and
