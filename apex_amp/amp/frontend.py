@@ -149,6 +149,7 @@ def initialize(
     allow_banned: bool = False,
     scale_window: int = 2000,
     hysteresis: int = 1,
+    consecutive_hysteresis: bool = True,
     sync_overflow: Any = None,
     overflow_report: bool = False,
     collapse_warn_steps: Optional[int] = DEFAULT_COLLAPSE_WARN_STEPS,
@@ -182,6 +183,9 @@ def initialize(
         allow_banned: let O1 run functions it bans in half precision (binary_cross_entropy).
         scale_window: clean steps before a dynamic scale doubles (apex: 2000).
         hysteresis: overflows tolerated before a dynamic scale backs off (1: at once).
+        consecutive_hysteresis: True (apex's rule): only overflows in a row spend the hysteresis,
+            which refills after every clean step; False (Megatron's, DeepSpeed's default): it
+            refills only when the scale grows. The same with hysteresis=1.
         sync_overflow: True (or a ProcessGroup) MAX-reduces each pass's found-inf flag over the
             default (or that) group, for gradients DDP does not reduce (parameters outside the
             wrapper or ignored by it); plain DDP needs no sync. None: on only for FSDP models.
@@ -240,7 +244,8 @@ def initialize(
         patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=master_weights, loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
         num_losses=num_losses, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
-        scale_window=scale_window, hysteresis=hysteresis, skip_nonfinite=skip_nonfinite,
+        scale_window=scale_window, hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis,
+        skip_nonfinite=skip_nonfinite,
         allow_banned=allow_banned, collapse_warn_steps=collapse_warn_steps,
         collapse_raise_steps=collapse_raise_steps,
     )

@@ -75,6 +75,8 @@ class AmpProperties:
     # Scale-collapse guard: overflows in a row at the floor before a warning / a RuntimeError.
     collapse_warn_steps: Optional[int] = DEFAULT_COLLAPSE_WARN_STEPS
     collapse_raise_steps: Optional[int] = DEFAULT_COLLAPSE_RAISE_STEPS
+    # The hysteresis refills after every clean step (apex) or only when the scale grows (Megatron).
+    consecutive_hysteresis: bool = True
 
     def describe(self) -> str:
         scale = f"dynamic (initial {self.loss_scale})" if self.dynamic_loss_scale else str(self.loss_scale)
@@ -191,6 +193,7 @@ def resolve_properties(
     max_loss_scale: Any = 2.0**24,
     scale_window: Any = 2000,
     hysteresis: Any = 1,
+    consecutive_hysteresis: Any = True,
     skip_nonfinite: bool = False,
     allow_banned: bool = False,
     collapse_warn_steps: Any = DEFAULT_COLLAPSE_WARN_STEPS,
@@ -199,6 +202,7 @@ def resolve_properties(
     """Apply the user's overrides to the level's defaults, rejecting nonsense with the reason."""
     level = _check_opt_level(opt_level)
     skip_nonfinite = parse_flag("skip_nonfinite", skip_nonfinite)
+    consecutive_hysteresis = parse_flag("consecutive_hysteresis", consecutive_hysteresis)
     allow_banned = parse_flag("allow_banned", allow_banned)
     if half_dtype not in HALF_DTYPES:
         raise ValueError(f"half_dtype must be torch.float16 or torch.bfloat16, got {half_dtype!r}")
@@ -298,6 +302,7 @@ def resolve_properties(
         max_loss_scale=max_scale,
         scale_window=scale_window,
         hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive_hysteresis,
         num_losses=num_losses,
         allow_banned=bool(allow_banned),
         collapse_warn_steps=collapse_warn_steps,

@@ -53,6 +53,7 @@ class AmpSession:
                     max_scale=properties.max_loss_scale,
                     scale_window=properties.scale_window,
                     hysteresis=properties.hysteresis,
+                    consecutive_hysteresis=properties.consecutive_hysteresis,
                     log_enabled=verbosity >= 1,
                     collapse_warn_steps=properties.collapse_warn_steps,
                     collapse_raise_steps=properties.collapse_raise_steps,
