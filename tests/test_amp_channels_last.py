@@ -92,3 +92,29 @@ def test_fused_adam_lays_loaded_moments_out_like_its_params():
                                rtol=0, atol=0)
     model(batch(0, CHANNELS_LAST)[0]).sum().backward()
     optimizer.step()  # the fused op accepts the lists: they share strides
+
+
+@pytest.mark.parametrize("kind", ["SGD", "FusedAdam"])
+def test_model_converted_to_channels_last_after_initialize_trains_like_before(kind):
+    # timm-style scripts may call model.to(memory_format=...) after amp.initialize: the masters
+    # (and any optimizer state) follow the model's layout at the first pass, values unchanged.
+    def run(convert_after: bool):
+        model = conv_net()
+        if not convert_after:
+            model = model.to(memory_format=CHANNELS_LAST)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if kind == "SGD" else FusedAdam(
+            model.parameters(), lr=1e-2)
+        amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+        if convert_after:
+            model.to(memory_format=CHANNELS_LAST)
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            x, y = batch(step, CHANNELS_LAST)
+            with amp.scale_loss(nn.functional.cross_entropy(model(x).float(), y), optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+        return [p.detach().clone() for p in amp.master_params(optimizer)]
+
+    for after, before in zip(run(True), run(False)):
+        assert after.stride() == before.stride()
+        assert torch.equal(after, before)

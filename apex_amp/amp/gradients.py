@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from .master_weights import MasterLink, OptimizerParams, reconcile_masters
+from .master_weights import MasterLink, OptimizerParams, follow_model_layouts, reconcile_masters
 
 __all__ = ["GradState", "PassScale", "GradLifecycle", "settle_for_pass"]
 
@@ -498,6 +498,7 @@ class GradLifecycle:
     def _reconcile_masters_once(self) -> None:
         if not self._masters_reconciled:
             self._masters_reconciled = True
+            follow_model_layouts(self.params.links, self._optimizer().state)
             reconcile_masters(self.params.links)
 
 

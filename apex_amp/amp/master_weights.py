@@ -28,6 +28,7 @@ from .._dtypes import HALF_DTYPES
 
 __all__ = [
     "MasterLink", "OptimizerParams", "attach_masters", "mismatched_links", "adopt_model_weights", "reconcile_masters",
+    "follow_model_layouts",
 ]
 
 logger = logging.getLogger("apex_amp")
@@ -103,6 +104,30 @@ def adopt_model_weights(links: list[MasterLink]) -> None:
     with torch.no_grad():
         for link in links:
             link.master.copy_(link.model_param)
+
+
+def follow_model_layouts(links: list[MasterLink], optimizer_state: Mapping[Tensor, dict]) -> int:
+    """Give each master (and its optimizer state) its model weight's memory layout; returns how many moved.
+
+    A model converted with ``model.to(memory_format=torch.channels_last)`` after ``initialize``
+    has weights and gradients in the new layout; the fused ops walk corresponding tensors
+    element for element, so the masters must follow. The values are copied exactly.
+    """
+    moved = 0
+    with torch.no_grad():
+        for link in links:
+            master, model_param = link.master, link.model_param
+            if master.stride() == model_param.stride():
+                continue
+            moved += 1
+            master.data = torch.empty_like(model_param, dtype=torch.float32).copy_(master.data)
+            if master.grad is not None:
+                master.grad = torch.empty_like(master).copy_(master.grad)
+            state = optimizer_state.get(master, {})
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.shape == master.shape:
+                    state[key] = torch.empty_like(master, dtype=value.dtype).copy_(value)
+    return moved
 
 
 def reconcile_masters(links: list[MasterLink]) -> None:
