@@ -100,18 +100,19 @@ void o2_streams(float* master, const uint16_t* g, float* m, float* v, uint16_t* 
 }
 
 double read_sum(const float* a, int64_t n, int threads) {  // 1 read stream
-  std::vector<double> partial(threads > 0 ? threads : 1, 0.0);
+  // An OR of the bits: integer, so the compiler may vectorise the reduction (a float sum
+  // must keep its order without -ffast-math, and would measure the adder, not the memory).
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(a);
+  std::vector<uint32_t> partial(threads > 0 ? threads : 1, 0u);
   int64_t chunk = ((n + threads - 1) / threads + 63) / 64 * 64;
   split(n, threads, [&](int64_t b, int64_t e) {
-    float sum0 = 0, sum1 = 0, sum2 = 0, sum3 = 0;
-    int64_t i = b;
-    for (; i + 4 <= e; i += 4) { sum0 += a[i]; sum1 += a[i + 1]; sum2 += a[i + 2]; sum3 += a[i + 3]; }
-    for (; i < e; ++i) sum0 += a[i];
-    partial[b / chunk] = double(sum0) + sum1 + sum2 + sum3;
+    uint32_t acc = 0;
+    for (int64_t i = b; i < e; ++i) acc |= bits[i];
+    partial[b / chunk] = acc;
   });
-  double total = 0;
-  for (double s : partial) total += s;
-  return total;
+  uint32_t total = 0;
+  for (uint32_t p : partial) total |= p;
+  return double(total);
 }
 }
 """

@@ -213,6 +213,11 @@ class Bandwidth:
         read_only = tuple(name for name, (_, _, is_read) in calls.items() if is_read)
         return cls(patterns=patterns, read_only=read_only, buffer_mb=buffer_mb, note=note)
 
+    def best_with(self, other: "Bandwidth") -> "Bandwidth":
+        """Each pattern's better figure of two measurements (of the same buffers)."""
+        patterns = {name: max(gbs, other.patterns.get(name, 0.0)) for name, gbs in self.patterns.items()}
+        return dataclasses.replace(self, patterns=patterns)
+
     def bound_seconds(self, elements: int, bytes_per_element: float, *, read_only: bool = False) -> float:
         """The time a kernel moving ``bytes_per_element`` per element would take at the best bandwidth."""
         gbs = self.read_gbs if read_only else self.rw_gbs
