@@ -13,7 +13,9 @@ Methodology they implement:
     change of machine load during the run hits all of them alike;
   * a kernel's bound is ``bytes moved per element / measured bandwidth``: the
     time it would take if it did nothing but stream its data once, at the best
-    bandwidth any of several access patterns reached (``Bandwidth``).
+    bandwidth any of several access patterns reached (``Bandwidth``), timed
+    in the same rounds as the kernels where the machine's bandwidth drifts
+    (``BandwidthProbes``).
 
 Example::
 
@@ -43,6 +45,7 @@ from _stream_probe import PATTERNS, StreamProbe
 __all__ = [
     "Timing",
     "Bandwidth",
+    "BandwidthProbes",
     "time_call",
     "time_interleaved",
     "cache_rotation_count",
@@ -189,34 +192,15 @@ class Bandwidth:
     def measure(cls, *, buffer_mb: int = 512, reps: int = 15, sync: Callable[[], None] = _no_sync,
                 build_dir: Optional[Path] = None) -> "Bandwidth":
         """Measure every pattern on ``buffer_mb`` MiB fp32 buffers with torch's current threads."""
-        elements = buffer_mb * 2**20 // 4
-        buf = torch.rand(elements, dtype=torch.float32) + 1.0
-        other = torch.empty_like(buf)
-        third = torch.rand_like(buf)
-        # name -> (call, bytes per element, read only?). A factor this close to 1 keeps the values normal.
-        calls = {
-            "in place, torch mul_": (lambda: buf.mul_(1.0000001), 8, False),
-            "2 reads + 1 write, torch add": (lambda: torch.add(buf, third, out=other), 12, False),
-            "3 reads + 1 write in place, torch addcmul_": (lambda: buf.addcmul_(third, other, value=1e-7), 16, False),
-            "copy, torch copy_": (lambda: other.copy_(buf), 8, False),
-            "read only, torch sum": (lambda: buf.sum(), 4, True),
-            "read only, torch amax": (lambda: buf.amax(), 4, True),
-        }
-        probe, note = StreamProbe.build(elements, torch.get_num_threads(),
-                                        build_dir or Path(__file__).resolve().parents[1] / "build" / "stream_probe")
-        if probe is not None:
-            for name, call in probe.calls.items():
-                calls[name] = (call, *PATTERNS[name])
-        timings = time_interleaved({name: call for name, (call, _, _) in calls.items()}, warmup=2, reps=reps,
-                                   sync=sync)
-        patterns = {name: nbytes * elements / timings[name].median / 1e9 for name, (_, nbytes, _) in calls.items()}
-        read_only = tuple(name for name, (_, _, is_read) in calls.items() if is_read)
-        return cls(patterns=patterns, read_only=read_only, buffer_mb=buffer_mb, note=note)
+        return BandwidthProbes(buffer_mb=buffer_mb, build_dir=build_dir).measure(reps=reps, sync=sync)
 
     def best_with(self, other: "Bandwidth") -> "Bandwidth":
-        """Each pattern's better figure of two measurements (of the same buffers)."""
-        patterns = {name: max(gbs, other.patterns.get(name, 0.0)) for name, gbs in self.patterns.items()}
-        return dataclasses.replace(self, patterns=patterns)
+        """Each pattern's better figure of two measurements (of the same buffers; either may lack patterns)."""
+        patterns = dict(other.patterns)
+        for name, gbs in self.patterns.items():
+            patterns[name] = max(gbs, patterns.get(name, 0.0))
+        read_only = tuple(dict.fromkeys(self.read_only + other.read_only))
+        return dataclasses.replace(self, patterns=patterns, read_only=read_only)
 
     def bound_seconds(self, elements: int, bytes_per_element: float, *, read_only: bool = False) -> float:
         """The time a kernel moving ``bytes_per_element`` per element would take at the best bandwidth."""
@@ -244,6 +228,54 @@ class Bandwidth:
     def to_json(self) -> dict:
         return {"patterns_gbs": self.patterns, "read_only": list(self.read_only), "rw_bound_gbs": self.rw_gbs,
                 "read_bound_gbs": self.read_gbs, "buffer_mb": self.buffer_mb, "note": self.note}
+
+
+class BandwidthProbes:
+    """The access patterns ``Bandwidth`` measures, on buffers allocated once and kept.
+
+    Keeping them lets a benchmark time the patterns again and again during a run,
+    alone (:meth:`measure`) or interleaved with the kernels they bound (:meth:`calls`
+    into ``time_interleaved``, then :meth:`bandwidth_from`), so that the bound and the
+    kernels see the same moments of a shared machine.
+    """
+
+    def __init__(self, *, buffer_mb: int = 512, build_dir: Optional[Path] = None) -> None:
+        self.buffer_mb = buffer_mb
+        self.elements = elements = buffer_mb * 2**20 // 4
+        buf = torch.rand(elements, dtype=torch.float32) + 1.0
+        other = torch.empty_like(buf)
+        third = torch.rand_like(buf)
+        # name -> (call, bytes per element, read only?). A factor this close to 1 keeps the values normal.
+        self._patterns = {
+            "in place, torch mul_": (lambda: buf.mul_(1.0000001), 8, False),
+            "2 reads + 1 write, torch add": (lambda: torch.add(buf, third, out=other), 12, False),
+            "3 reads + 1 write in place, torch addcmul_": (lambda: buf.addcmul_(third, other, value=1e-7), 16, False),
+            "copy, torch copy_": (lambda: other.copy_(buf), 8, False),
+            "read only, torch sum": (lambda: buf.sum(), 4, True),
+            "read only, torch amax": (lambda: buf.amax(), 4, True),
+        }
+        probe, self.note = StreamProbe.build(elements, torch.get_num_threads(),
+                                             build_dir or Path(__file__).resolve().parents[1] / "build" / "stream_probe")
+        self._stream_probe = probe  # owns the buffers its calls stream through
+        if probe is not None:
+            for name, call in probe.calls.items():
+                self._patterns[name] = (call, *PATTERNS[name])
+
+    def calls(self, names: Optional[Sequence[str]] = None) -> dict[str, Callable[[], object]]:
+        """name -> call of the patterns ``names`` (every pattern when None; names not measured here are left out)."""
+        chosen = self._patterns if names is None else [name for name in names if name in self._patterns]
+        return {name: self._patterns[name][0] for name in chosen}
+
+    def bandwidth_from(self, timings: Mapping[str, "Timing"]) -> "Bandwidth":
+        """The ``Bandwidth`` of the patterns timed in ``timings`` (other entries are ignored)."""
+        timed = {name: spec for name, spec in self._patterns.items() if name in timings}
+        patterns = {name: nbytes * self.elements / timings[name].median / 1e9 for name, (_, nbytes, _) in timed.items()}
+        read_only = tuple(name for name, (_, _, is_read) in timed.items() if is_read)
+        return Bandwidth(patterns=patterns, read_only=read_only, buffer_mb=self.buffer_mb, note=self.note)
+
+    def measure(self, *, reps: int = 15, sync: Callable[[], None] = _no_sync) -> "Bandwidth":
+        """Every pattern, timed interleaved with the others."""
+        return self.bandwidth_from(time_interleaved(self.calls(), warmup=2, reps=reps, sync=sync))
 
 
 def parallel_region_latency(*, reps: int = 50) -> float:
@@ -276,23 +308,27 @@ def last_level_cache_bytes(default: int = 32 * 2**20) -> int:
 
 
 def cache_rotation_count(bytes_per_set: int, *, cache_bytes: Optional[int] = None, factor: int = 4,
-                         limit: int = 64) -> int:
+                         at_least_bytes: int = 0, limit: int = 256) -> int:
     """How many independent copies of a working set to cycle through so none is still cached.
 
     A training step runs forward and backward between two optimizer steps,
     which evicts the optimizer's data from the caches; a benchmark that calls
     the same kernel on the same small buffers back to back would instead find
     them in cache. Cycling through copies whose total is ``factor`` times the
-    last-level cache gives each call cold data, as in training.
+    last-level cache gives each call cold data, as in training. A virtual
+    machine may report less cache than its host's cores share, so a benchmark
+    that judges kernels against a bandwidth measured on buffers of some size
+    should cycle through at least that much (``at_least_bytes``).
 
     Args:
         bytes_per_set: bytes one call touches.
         cache_bytes: last-level cache size; read from sysfs when None.
         factor: how many caches' worth of data to cycle through.
-        limit: most copies to make (small sets would otherwise need hundreds).
+        at_least_bytes: the least total to cycle through, whatever the cache.
+        limit: most copies to make (small sets would otherwise need thousands).
     """
     cache_bytes = last_level_cache_bytes() if cache_bytes is None else cache_bytes
-    needed = -(-factor * cache_bytes // max(bytes_per_set, 1))
+    needed = -(-max(factor * cache_bytes, at_least_bytes) // max(bytes_per_set, 1))
     return int(max(1, min(limit, needed)))
 
 

@@ -8,8 +8,9 @@ Sections (each at every size, on a transformer-like list of tensors):
          pass) vs torch's best composition (GradScaler's unscale of the half grads, a copy
          into fp32 master grads, AdamW(fused=True) told about found_inf, a copy back).
   check  check_finite and unscale_ vs torch._amp_foreach_non_finite_check_and_unscale_.
-Before them the machine's streaming bandwidth is measured, and every kernel's median is
-shown as a multiple of its bound (bytes moved per element / bandwidth). See README.md.
+The machine's streaming bandwidth is measured before and after them and in the same
+timing rounds as every section's kernels, and every kernel's median is shown as a multiple
+of its bound (bytes moved per element / the best bandwidth of the run). See README.md.
 
 Run (from the repository root, in the venv where apex_amp is installed):
     python benchmarks/bench_kernels.py                      # 1M, 16M, 64M; 2 threads
@@ -30,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from _timing import (Bandwidth, Timing, cache_rotation_count, format_table, machine_info, parallel_region_latency,
+from _timing import (Bandwidth, BandwidthProbes, Timing, cache_rotation_count, format_table, machine_info, parallel_region_latency,
                      time_interleaved)
 
 try:
@@ -85,8 +86,15 @@ def default_reps(elements: int) -> int:
     return 30 if elements <= 4 * 10**6 else 15 if elements <= 32 * 10**6 else 10
 
 
-def run_section(section, ops, sizes, args, bandwidth, deepspeed) -> list[Row]:
-    rows = []
+# The patterns timed alongside every section's kernels: those that set the bound on the machines
+# measured so far (benchmarks/README.md). Four keep the run's extra time to about half a minute.
+INTERLEAVED_PATTERNS = ("in place, torch mul_", "3 reads + 1 write in place, torch addcmul_",
+                        "Adam's 4 reads + 3 writes (C++)", "read only, torch sum")
+
+
+def run_section(section, ops, sizes, args, probes, deepspeed) -> tuple[list[Row], list[Bandwidth]]:
+    """The section's rows (not yet judged) and the bandwidth measured interleaved with each of its timings."""
+    rows, bandwidths = [], []
     gen = torch.Generator().manual_seed(0)
     for label in sizes:
         shapes, _ = transformer_like_shapes(parse_size(label))
@@ -94,7 +102,7 @@ def run_section(section, ops, sizes, args, bandwidth, deepspeed) -> list[Row]:
         variants = {"adam": ["fp32"], "o2": list(HALF_DTYPES), "check": list(DTYPES)}[section]
         for dtype in variants:
             bytes_per_set = {"adam": 16, "o2": 16, "check": DTYPES[dtype].itemsize}[section] * elements
-            copies = 1 if args.hot_cache else cache_rotation_count(bytes_per_set)
+            copies = 1 if args.hot_cache else cache_rotation_count(bytes_per_set, at_least_bytes=args.bandwidth_mb * 2**20)
             set_up_at = time.perf_counter()
             if section == "adam":
                 cases = adam_cases(ops, shapes, copies, gen, deepspeed)
@@ -104,8 +112,15 @@ def run_section(section, ops, sizes, args, bandwidth, deepspeed) -> list[Row]:
                 cases = check_cases(ops, shapes, copies, gen, DTYPES[dtype])
             reps = args.reps or default_reps(elements)
             timed_at = time.perf_counter()
-            timings = time_interleaved({c.impl: c.fn for c in cases if c.fn is not None},
-                                       warmup=max(args.warmup, copies), reps=reps, rounds=args.rounds)
+            fns = {c.impl: c.fn for c in cases if c.fn is not None}
+            for fn in fns.values():  # one pass over every copy, so that each starts from memory, not page faults
+                for _ in range(max(0, copies - args.warmup)):
+                    fn()
+            # The bound's patterns run in the same rounds as the kernels, so both see the same moments of
+            # a shared machine, whose bandwidth can change by half within a run.
+            timings = time_interleaved({**fns, **probes.calls(INTERLEAVED_PATTERNS)},
+                                       warmup=args.warmup, reps=reps, rounds=args.rounds or reps)
+            bandwidths.append(probes.bandwidth_from(timings))
             print(f"  {section} {label} {dtype}: {copies} cold cop{'y' if copies == 1 else 'ies'}, "
                   f"set up in {timed_at - set_up_at:.1f} s, timed in {time.perf_counter() - timed_at:.1f} s",
                   file=sys.stderr, flush=True)
@@ -113,9 +128,11 @@ def run_section(section, ops, sizes, args, bandwidth, deepspeed) -> list[Row]:
                 timing = timings.get(case.impl)
                 ratios = {name: timing.median / timings[name].median
                           for name in case.compare_with if timing and name in timings}
-                rows.append(Row(section, label, dtype, elements, case, timing, ratios, None).judged_by(bandwidth))
-            del cases, timings
-    return rows
+                # The row keeps what the report needs, not the call: its data is freed before the next set-up.
+                rows.append(Row(section, label, dtype, elements, dataclasses.replace(case, fn=None), timing, ratios,
+                                None))
+            del cases, fns, timings
+    return rows, bandwidths
 
 
 def format_ratio(ratio: float) -> str:
@@ -197,7 +214,8 @@ def parse_args(argv):
     parser.add_argument("--sections", default="adam,o2,check", help="any of adam,o2,check (default all)")
     parser.add_argument("--reps", type=int, default=0, help="timed calls per implementation (default 30/15/10 by size)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaving rounds (default 3)")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="interleaving rounds (default 0: as many as reps, one call of each per round)")
     parser.add_argument("--bandwidth-mb", type=int, default=512, help="buffer for the bandwidth test (default 512 MiB)")
     parser.add_argument("--hot-cache", action="store_true",
                         help="reuse one copy of the data (default: cycle through copies so every call is cold)")
@@ -246,14 +264,16 @@ def main(argv=None) -> int:
     print(f"parallel-region probe (64K-element add_ with {args.threads} threads): {probe * 1e6:.0f} us"
           + ("  <- another process holds a core: every timing below is inflated" if probe > 5e-4 else ""))
     print("data: " + ("one copy reused (--hot-cache)" if args.hot_cache else
-                      "each call takes the next of several copies totalling >= 4x the last-level cache, "
-                      "so no call finds its data in cache (as after a forward/backward pass)"))
+                      "each call takes the next of several copies totalling >= 4x the last-level cache "
+                      f"and >= the bandwidth buffer ({args.bandwidth_mb} MiB; up to 256 copies), so no call finds "
+                      "its data in cache (as after a forward/backward pass)"))
     layouts = {}
     for label in sizes:
         layouts[label] = transformer_like_shapes(parse_size(label))[1]
         print(f"  {label}: {layouts[label]}")
 
-    bandwidth = Bandwidth.measure(buffer_mb=args.bandwidth_mb)
+    probes = BandwidthProbes(buffer_mb=args.bandwidth_mb)
+    bandwidth = probes.measure()
     print(f"\n(d) streaming bandwidth, {args.bandwidth_mb} MiB fp32 buffers, {args.threads} threads; the bound "
           "is the best pattern (a copy's store first reads its line: write-allocate, not counted):\n"
           + bandwidth.describe())
@@ -262,14 +282,19 @@ def main(argv=None) -> int:
 
     rows = []
     for section in args.sections:
-        rows += run_section(section, ops, sizes, args, bandwidth, deepspeed)  # progress goes to stderr
+        section_rows, section_bandwidths = run_section(section, ops, sizes, args, probes, deepspeed)
+        rows += section_rows  # progress goes to stderr
+        for measured in section_bandwidths:
+            bandwidth = bandwidth.best_with(measured)
 
-    # The load of a shared machine changes during a run: measure the bandwidth again and judge every
-    # row against the best of both measurements, so that no kernel is measured against a bad moment.
-    again = Bandwidth.measure(buffer_mb=args.bandwidth_mb)
+    # Every row is judged against the best bandwidth of the whole run: measured before, after, and
+    # interleaved with every section's kernels, so that no kernel is judged against a bad moment.
+    again = probes.measure()
     bandwidth = bandwidth.best_with(again)
     rows = [row.judged_by(bandwidth) for row in rows]
-    print(f"\n(d) again after the sections; each row's final x bound uses the best of both:\n" + again.describe())
+    print(f"\n(d) again after the sections:\n" + again.describe())
+    print(f"\n(d) best of the run (before, after, and interleaved with every section: "
+          f"{', '.join(INTERLEAVED_PATTERNS)}):\n" + bandwidth.describe())
     print(f"final bounds: read-write {bandwidth.rw_gbs:.1f} GB/s, read-only {bandwidth.read_gbs:.1f} GB/s")
     for section in args.sections:
         section_rows = [row for row in rows if row.section == section]
