@@ -35,9 +35,12 @@ constexpr int kThreads = kWarps * 32;
 __global__ void rotate_and_reduce_kernel(int* rotated, int* warp_sums, unsigned int* visits) {
   __shared__ int ring[kThreads];
   const int t = static_cast<int>(threadIdx.x);
-  ring[t] = t;
+  // Values unique to the block, so that reading a previous block's (a missing
+  // barrier) shows.
+  const int first = static_cast<int>(blockIdx.x) * kThreads;
+  ring[t] = first + t;
   __syncthreads();
-  rotated[blockIdx.x * kThreads + t] = ring[(t + 1) % kThreads];
+  rotated[first + t] = ring[(t + 1) % kThreads];
   int sum = t;
   for (int offset = 16; offset > 0; offset /= 2) {
     sum += __shfl_down_sync(0xffffffffu, sum, offset);
@@ -83,7 +86,8 @@ void well_behaved() {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   for (int b = 0; b < kBlocks; ++b) {
     for (int t = 0; t < kThreads; ++t) {
-      expect(rotated[b * kThreads + t] == (t + 1) % kThreads, "rotation through shared memory");
+      expect(rotated[b * kThreads + t] == b * kThreads + (t + 1) % kThreads,
+             "rotation through shared memory");
     }
     for (int w = 0; w < kWarps; ++w) {
       const int first = 32 * w;
