@@ -78,7 +78,9 @@ def run_tests(built: emulation_build.Built, markers: str = "", pytest_args: Sequ
               echo: bool = False) -> SuiteRun:
     """Runs this folder's tests against `built` in a sanitized child process, and records the result
     unless `pytest_args` narrow the selection (a -k or a file says nothing about the suite)."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    # --capture=sys: a sanitizer writes its report straight to file descriptor 2
+    # and aborts; pytest's default fd capture would swallow it.
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys"]
     if markers:
         command += ["-m", markers]
     command += list(pytest_args)

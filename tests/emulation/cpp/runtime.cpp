@@ -72,6 +72,31 @@ std::string format(const char* pattern, va_list args) {
   return text;
 }
 
+// "multi_tensor_kernel<Depth, Functor> {TensorListMetadata<1>, CheckFiniteFunctor<float>}":
+// the kernel as launched, and its parameter types from KernelLaunch's signature.
+std::string describe_kernel(const LaunchConfig& config) {
+  // GCC writes "... [with Params = {A, B}; size_t = ...]".
+  const std::string signature = config.kernel_signature;
+  const size_t open = signature.find("Params = {");
+  std::string types;
+  if (open != std::string::npos) {
+    int depth = 0;
+    for (size_t at = open + 9; at < signature.size(); ++at) {
+      depth += signature[at] == '{' ? 1 : signature[at] == '}' ? -1 : 0;
+      if (depth == 0) {
+        types = signature.substr(open + 9, at - open - 8);
+        break;
+      }
+    }
+  }
+  for (const std::string noise : {"apex_amp::", "{anonymous}::", "c10::"}) {
+    for (size_t at = types.find(noise); at != std::string::npos; at = types.find(noise)) {
+      types.erase(at, noise.size());
+    }
+  }
+  return std::string(config.kernel_name) + (types.empty() || types == "{}" ? "" : " " + types);
+}
+
 std::string describe_site(const SourceSite& site) {
   return std::string(site.file) + ":" + std::to_string(site.line);
 }
@@ -94,7 +119,7 @@ std::string describe_thread(const EmulatedThread& thread) {
   std::string where;
   if (t_block != nullptr) {
     const uint3& b = (thread != nullptr ? *thread : t_block->threads[0]).indices.block_idx;
-    where = std::string(" in kernel ") + t_block->config->kernel_name + ", block (" +
+    where = " in kernel " + describe_kernel(*t_block->config) + ", block (" +
         std::to_string(b.x) + "," + std::to_string(b.y) + "," + std::to_string(b.z) + ")";
     if (thread != nullptr) {
       where += ", " + describe_thread(*thread);
@@ -110,8 +135,9 @@ void say_where_the_asan_report_came_from(const char*) {
   if (t_block != nullptr) {
     const EmulatedThread* thread = t_thread;
     const uint3& b = (thread != nullptr ? *thread : t_block->threads[0]).indices.block_idx;
-    std::fprintf(stderr, "apex_amp CUDA emulation: the report below comes from kernel %s, block "
-                 "(%u,%u,%u)%s%s\n", t_block->config->kernel_name, b.x, b.y, b.z,
+    std::fprintf(stderr, "apex_amp CUDA emulation: this AddressSanitizer report comes from "
+                 "kernel %s, block (%u,%u,%u)%s%s\n", describe_kernel(*t_block->config).c_str(),
+                 b.x, b.y, b.z,
                  thread != nullptr ? ", " : "",
                  thread != nullptr ? describe_thread(*thread).c_str() : "");
   }

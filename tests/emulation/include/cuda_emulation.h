@@ -116,7 +116,8 @@ void enter_device_guard();
 void leave_device_guard();
 
 struct LaunchConfig {
-  const char* kernel_name;
+  const char* kernel_name;        // as written at the launch
+  const char* kernel_signature;   // __PRETTY_FUNCTION__ of KernelLaunch: the parameter types
   dim3 grid;
   dim3 block;
   size_t shared_bytes;
@@ -151,7 +152,8 @@ class KernelLaunch {
       size_t shared_bytes,
       cudaStream_t stream,
       void (*kernel)(Params...))
-      : config_{kernel_name, grid, block, shared_bytes, stream}, kernel_(kernel) {}
+      : config_{kernel_name, __PRETTY_FUNCTION__, grid, block, shared_bytes, stream},
+        kernel_(kernel) {}
 
   template <typename... Args>
   void operator()(Args&&... args) const {
