@@ -108,10 +108,11 @@ def entries_for(limits: Limits, dtype_combos: Sequence[tuple[torch.dtype, ...]],
     if sizes is None:
         sizes = (0, 1, 3, 5, 33, chunk - 1, chunk, chunk + 1, 2 * chunk + 5)
     depth = len(dtype_combos[0])
-    combos = itertools.cycle(dtype_combos)
     patterns = offset_patterns(depth)
-    entries = [Entry(numel, next(combos), offsets)
-               for numel, offsets in itertools.product(sizes, patterns)]
+    # Shifted by the size, so that every offset pattern meets every dtype combination.
+    entries = [Entry(numel, dtype_combos[(i + j) % len(dtype_combos)], offsets)
+               for i, numel in enumerate(sizes) for j, offsets in enumerate(patterns)]
+    combos = itertools.cycle(dtype_combos)
     if beyond_one_launch:
         entries.append(Entry(limits.max_blocks * chunk + 3, next(combos), (0,) * depth))
     if many:
