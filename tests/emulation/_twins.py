@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Sequence
 
 import torch
@@ -44,20 +45,43 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One list position of an op: its element count, and per list the dtype
-    and the offset (in elements) of the tensor in its allocation."""
+    """One list position of an op: its element count, per list the dtype and
+    the offset (in elements) of the tensor in its allocation, and the layout
+    its tensors share: None for a flat tensor, else (shape, memory format)."""
 
     numel: int
     dtypes: tuple[torch.dtype, ...]
     offsets: tuple[int, ...]
+    layout: tuple | None = None  # (shape, torch.memory_format or "transposed")
 
 
-def placed(values: Tensor, offset: int) -> Tensor:
+# Dense layouts other than contiguous, which the ops accept and the kernels
+# walk as flat memory: (shape, memory format), or (shape, "transposed").
+DENSE_LAYOUTS = (
+    ((2, 3, 5, 7), torch.channels_last),
+    ((2, 16, 16, 17), torch.channels_last),          # more than two 4096-element chunks
+    ((2, 3, 4, 5, 6), torch.channels_last_3d),
+    ((130, 33), "transposed"),                       # a .t() of a (33, 130) matrix
+)
+
+
+def dense_strides(shape: tuple[int, ...], memory_format) -> tuple[int, ...]:
+    if memory_format == "transposed":
+        return tuple(reversed(torch.empty(tuple(reversed(shape))).stride()))
+    return torch.empty(shape, memory_format=memory_format).stride()
+
+
+def placed(values: Tensor, offset: int, layout=None) -> Tensor:
     """A copy of `values` placed `offset` elements into an allocation that ends
-    where it ends; AddressSanitizer then rejects any access outside it (the
-    allocation's end is a redzone, the bytes in front are poisoned)."""
+    where it ends, flat or in `layout` (shape, memory format); AddressSanitizer
+    then rejects any access outside it (the allocation's end is a redzone, the
+    bytes in front are poisoned)."""
     buffer = torch.empty(offset + values.numel(), dtype=values.dtype)
     view = buffer[offset:]
+    if layout is not None:
+        shape, memory_format = layout
+        view = view.as_strided(shape, dense_strides(shape, memory_format))
+        values = values.reshape(shape)
     view.copy_(values)
     if view.numel() > 0:
         EMULATED.poison_around(view)
@@ -77,8 +101,8 @@ def twin_lists(entries: Sequence[Entry], list_index: int, seed: int, scale: floa
     first, second = [], []
     for entry in entries:
         values = random_values(entry.numel, entry.dtypes[list_index], generator, scale, positive)
-        first.append(placed(values, entry.offsets[list_index]))
-        second.append(placed(values, entry.offsets[list_index]))
+        first.append(placed(values, entry.offsets[list_index], entry.layout))
+        second.append(placed(values, entry.offsets[list_index], entry.layout))
     return first, second
 
 
@@ -100,10 +124,10 @@ def entries_for(limits: Limits, dtype_combos: Sequence[tuple[torch.dtype, ...]],
                 many: bool = True) -> list[Entry]:
     """Positions that take the multi-tensor apply through its cases: empty,
     one-element and odd sizes (scalar tails), sizes around the chunk size, each
-    offset pattern, dtype combinations cycling through `dtype_combos`; with
-    `beyond_one_launch` an aligned tensor of more chunks than one launch takes
-    (its chunks carry over to the next launch), with `many` more tensors than
-    one launch takes."""
+    offset pattern, dtype combinations cycling through `dtype_combos`, the
+    dense layouts other than contiguous; with `beyond_one_launch` an aligned
+    tensor of more chunks than one launch takes (its chunks carry over to the
+    next launch), with `many` more tensors than one launch takes."""
     chunk = limits.chunk_size
     if sizes is None:
         sizes = (0, 1, 3, 5, 33, chunk - 1, chunk, chunk + 1, 2 * chunk + 5)
@@ -113,6 +137,9 @@ def entries_for(limits: Limits, dtype_combos: Sequence[tuple[torch.dtype, ...]],
     entries = [Entry(numel, dtype_combos[(i + j) % len(dtype_combos)], offsets)
                for i, numel in enumerate(sizes) for j, offsets in enumerate(patterns)]
     combos = itertools.cycle(dtype_combos)
+    for k, (shape, memory_format) in enumerate(DENSE_LAYOUTS):
+        entries.append(Entry(math.prod(shape), next(combos), patterns[k % len(patterns)],
+                             (shape, memory_format)))
     if beyond_one_launch:
         entries.append(Entry(limits.max_blocks * chunk + 3, next(combos), (0,) * depth))
     if many:

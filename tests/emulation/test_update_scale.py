@@ -11,12 +11,18 @@ import torch
 from _twins import CPU, EMULATED, assert_bitwise_equal, flag
 
 RULES = {
-    "apex-defaults": dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=1,
-                          min_scale=1.0, max_scale=2.0**24),
-    "hysteresis": dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=2, hysteresis=3,
-                       min_scale=2.0**-4, max_scale=2.0**10),
+    "apex": dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=1,
+                 min_scale=1.0, max_scale=2.0**24, consecutive_hysteresis=True),
+    "megatron-hysteresis": dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=2,
+                                hysteresis=3, min_scale=2.0**-4, max_scale=2.0**10,
+                                consecutive_hysteresis=False),
+    "apex-hysteresis": dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=2, hysteresis=3,
+                            min_scale=2.0**-4, max_scale=2.0**10, consecutive_hysteresis=True),
     "odd-factors": dict(growth_factor=1.7, backoff_factor=0.3, growth_interval=1, hysteresis=2,
-                        min_scale=0.01, max_scale=3e38),
+                        min_scale=0.01, max_scale=3e38, consecutive_hysteresis=False),
+    # torch's rule: no floor, no cap; growth until the scale would be inf.
+    "torch": dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=1, hysteresis=1,
+                  min_scale=0.0, max_scale=float("inf"), consecutive_hysteresis=True),
 }
 
 
@@ -28,8 +34,9 @@ def state(scale):
 def test_scale_trajectory_matches_step_by_step(rule):
     generator = torch.Generator().manual_seed(1)
     overflows = (torch.rand(300, generator=generator) < 0.3).tolist()
-    # Runs of clean steps that reach max_scale, and of overflows that reach min_scale.
-    overflows += [False] * 80 + [True] * 80 + [False] * 5
+    # A run of clean steps up to max_scale (or, uncapped, to where the next
+    # growth would be inf), and a run of overflows down to min_scale.
+    overflows += [False] * 140 + [True] * 160 + [False] * 5
     emulated, cpu = state(2.0**16), state(2.0**16)
     for step, overflow in enumerate(overflows):
         found_inf = flag(float("nan") if overflow and step % 5 == 0 else float(overflow))

@@ -2,8 +2,8 @@
 //   pack_chunks(numels, depth): what csrc/cuda/chunk_packing.h puts into each
 //     launch for tensors of these sizes, one row per block;
 //   launch_limits(): the packing's constants as this build compiled them;
-//   poison_around(view): makes the rest of a view's storage inaccessible to
-//     AddressSanitizer, so that a kernel reading past the view (not only past
+//   poison_around(view): makes the rest of a dense view's storage inaccessible
+//     to AddressSanitizer, so that a kernel reading past the view (not only past
 //     the allocation) fails.
 #include "cuda/chunk_packing.h"
 
@@ -101,7 +101,7 @@ std::vector<int64_t> launch_limits() {
 }
 
 void poison_around(const at::Tensor& view) {
-  TORCH_CHECK(view.is_contiguous(), "poison_around: view must be contiguous");
+  TORCH_CHECK(view.is_non_overlapping_and_dense(), "poison_around: view must be dense");
   const c10::Storage& storage = view.storage();
   auto* begin = static_cast<char*>(storage.mutable_data());
   char* const end = begin + storage.nbytes();
