@@ -4,7 +4,7 @@ tests/emulation/run.py records each run of the emulated-op tests in
 build/emulation/status.json, one entry per scope ("all", "not slow", "slow"),
 with a fingerprint of the sources it tested (csrc/ and tests/emulation/).
 ``python -m apex_amp report`` compares that fingerprint with the files as they
-are now, so a run on older sources is reported as stale, not as a pass.
+are now, so only runs on the current sources count as a pass.
 An installed copy of apex_amp has no checkout, and says so.
 """
 
@@ -58,12 +58,23 @@ def record_run(root: Path, run: dict[str, Any]) -> None:
     path.write_text(json.dumps(runs, indent=2) + "\n")
 
 
+# The scopes run.py records, and the words the report uses for them.
+SCOPE_NAMES = {"all": "whole suite", "not slow": "fast subset", "slow": "slow part"}
+
+
+def _describe(scope: str, run: dict[str, Any]) -> str:
+    counts = ", ".join(f"{n} {word}" for word, n in run.get("counts", {}).items())
+    return f"{SCOPE_NAMES.get(scope, scope)} ({counts or 'no counts'}; {run.get('finished', '?')})"
+
+
 def summary(root: Optional[Path] = None) -> dict[str, Any]:
     """{"state": ..., "text": one line for the report, "runs": the recorded runs}, for the
     checkout at `root` (default: this package's).
 
-    state is "passed" (every recorded scope passed on the current sources),
-    "failed", "stale" (sources changed since), "not run", or "no checkout".
+    Only runs on the current sources count. state is "passed" (the whole suite
+    passed, in one run or as its fast subset and slow part), "fast subset
+    passed" (the slow part not run since the sources changed), "failed" (a run
+    failed), "stale" (every run predates the sources), "not run", or "no checkout".
     """
     root = checkout_root() if root is None else root
     if root is None:
@@ -72,22 +83,26 @@ def summary(root: Optional[Path] = None) -> dict[str, Any]:
     runs = _read(root)
     if not runs:
         return {"state": "not run", "runs": {}, "text": f"not run in this checkout; run: {RUN_COMMAND}"}
-    current = source_fingerprint(root)
-    parts, states = [], set()
-    for scope, run in sorted(runs.items()):
-        counts = ", ".join(f"{n} {word}" for word, n in run.get("counts", {}).items())
-        if run.get("fingerprint") != current:
-            state = "stale"
-        else:
-            state = "passed" if run.get("passed") else "failed"
-        states.add(state)
-        detail = f"{scope}: {state.upper() if state == 'failed' else state} ({counts or 'no counts'}; {run.get('finished', '?')})"
-        coverage = run.get("coverage") or {}
-        if state == "passed" and coverage.get("percent") is not None:
-            detail += f", csrc/cuda lines run {coverage['percent']}%"
-        parts.append(detail)
-    state = next(s for s in ("failed", "stale", "passed") if s in states)
-    text = "; ".join(parts)
-    if state == "stale":
-        text += f" [sources changed since; rerun {RUN_COMMAND}]"
+    fingerprint = source_fingerprint(root)
+    current = {scope: run for scope, run in runs.items() if run.get("fingerprint") == fingerprint}
+    failed = [scope for scope, run in current.items() if not run.get("passed")]
+    passed = {scope: run for scope, run in current.items() if run.get("passed")}
+    if failed:
+        state = "failed"
+        text = "FAILED: " + "; ".join(_describe(scope, current[scope]) for scope in failed)
+    elif "all" in passed or {"not slow", "slow"} <= passed.keys():
+        state = "passed"
+        shown = ["all"] if "all" in passed else ["not slow", "slow"]
+        text = "passed: " + "; ".join(_describe(scope, passed[scope]) for scope in shown)
+    elif "not slow" in passed:
+        state = "fast subset passed"
+        text = (f"passed: {_describe('not slow', passed['not slow'])}; the slow part has not run "
+                f"on these sources ({RUN_COMMAND} -m slow)")
+    else:
+        return {"state": "stale", "runs": runs,
+                "text": f"stale: the sources changed since the last run; run: {RUN_COMMAND}"}
+    latest = max(passed.values(), key=lambda run: run.get("finished", ""), default={})
+    coverage = (latest.get("coverage") or {}).get("percent")
+    if state != "failed" and coverage is not None:
+        text += f"; csrc/cuda lines run {coverage}%"
     return {"state": state, "runs": runs, "text": text}

@@ -23,17 +23,18 @@ def test_no_recorded_run_names_the_command(tmp_path):
     assert _emulation_status.RUN_COMMAND in status["text"]
 
 
-def test_a_passing_run_on_the_current_sources_is_reported_with_its_coverage(tmp_path):
+def test_fast_subset_and_slow_part_passing_on_the_current_sources_is_a_pass_with_coverage(tmp_path):
     root = fake_checkout(tmp_path)
     _emulation_status.record_run(root, run("not slow"))
+    assert _emulation_status.summary(root)["state"] == "fast subset passed"
     _emulation_status.record_run(root, run("slow"))
     status = _emulation_status.summary(root)
     assert status["state"] == "passed"
-    assert "not slow: passed (7 passed" in status["text"] and "slow: passed" in status["text"]
+    assert "fast subset (7 passed" in status["text"] and "slow part (7 passed" in status["text"]
     assert "csrc/cuda lines run 97.5%" in status["text"]
 
 
-def test_a_change_to_the_tested_sources_makes_the_run_stale(tmp_path):
+def test_a_change_to_the_tested_sources_makes_every_earlier_run_stale(tmp_path):
     root = fake_checkout(tmp_path)
     _emulation_status.record_run(root, run("all"))
     (root / "csrc" / "cuda" / "kernel.cu").write_text("// v2\n")
@@ -41,15 +42,25 @@ def test_a_change_to_the_tested_sources_makes_the_run_stale(tmp_path):
     assert status["state"] == "stale" and _emulation_status.RUN_COMMAND in status["text"]
 
 
-def test_a_failed_scope_fails_the_whole_status(tmp_path):
+def test_a_whole_suite_run_on_the_current_sources_outweighs_older_partial_runs(tmp_path):
+    root = fake_checkout(tmp_path)
+    _emulation_status.record_run(root, run("slow"))
+    (root / "csrc" / "cuda" / "kernel.cu").write_text("// v2\n")
+    _emulation_status.record_run(root, run("all"))
+    status = _emulation_status.summary(root)
+    assert status["state"] == "passed" and "whole suite" in status["text"]
+
+
+def test_a_failed_run_fails_the_whole_status(tmp_path):
     root = fake_checkout(tmp_path)
     _emulation_status.record_run(root, run("not slow"))
     _emulation_status.record_run(root, run("slow", passed=False))
     status = _emulation_status.summary(root)
-    assert status["state"] == "failed" and "slow: FAILED" in status["text"]
+    assert status["state"] == "failed" and status["text"].startswith("FAILED: slow part")
 
 
 def test_report_has_a_cuda_emulation_line():
     info = _build_report.collect()
-    assert info["cuda_emulation"]["state"] in {"passed", "failed", "stale", "not run", "no checkout"}
+    assert info["cuda_emulation"]["state"] in {
+        "passed", "fast subset passed", "failed", "stale", "not run", "no checkout"}
     assert f"  CUDA emulation {info['cuda_emulation']['text']}" in _build_report.format_report(info)
