@@ -71,7 +71,8 @@ void multi_tensor_apply(
   static_assert(
       sizeof(Metadata) + sizeof(Functor) <= kKernelArgLimitBytes, "kernel arguments exceed 4 KB");
   pack_chunks<Depth>(tensors, [&](const Metadata& meta, int num_blocks) {
-    APEX_AMP_LAUNCH(num_blocks, kBlockSize, 0, stream, multi_tensor_kernel<Depth, Functor>)(meta, functor);
+    APEX_AMP_LAUNCH(num_blocks, kBlockSize, 0, stream, multi_tensor_kernel<Depth, Functor>)(
+        meta, functor);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

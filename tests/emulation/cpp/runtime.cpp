@@ -8,7 +8,6 @@
 #endif
 
 #include <algorithm>
-#include <cinttypes>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -179,7 +178,8 @@ bool complete_warp_exchanges(BlockRun& run) {
         continue;
       }
       if (warp_first + lane >= threads.size()) {
-        fail(&waiting, "warp shuffle at %s: mask 0x%08x names lane %u, which this block does not have",
+        fail(&waiting,
+             "warp shuffle at %s: mask 0x%08x names lane %u, which this block does not have",
              describe_site(waiting.site).c_str(), waiting.mask, lane);
       }
       EmulatedThread& peer = threads[warp_first + lane];
@@ -188,13 +188,16 @@ bool complete_warp_exchanges(BlockRun& run) {
              describe_site(waiting.site).c_str(), lane, waiting.mask);
       }
       if (peer.state == ThreadState::kAtBarrier) {
-        fail(&waiting, "warp shuffle at %s: lane %u of mask 0x%08x waits at __syncthreads() at %s",
+        fail(&waiting,
+             "warp shuffle at %s: lane %u of mask 0x%08x waits at __syncthreads() at %s",
              describe_site(waiting.site).c_str(), lane, waiting.mask,
              describe_site(peer.site).c_str());
       }
-      if (peer.site.line != waiting.site.line || std::strcmp(peer.site.file, waiting.site.file) != 0 ||
-          peer.mask != waiting.mask || peer.size != waiting.size) {
-        fail(&waiting, "warp shuffle at %s (mask 0x%08x): lane %u waits at another shuffle, %s (mask 0x%08x)",
+      if (peer.site.line != waiting.site.line ||
+          std::strcmp(peer.site.file, waiting.site.file) != 0 || peer.mask != waiting.mask ||
+          peer.size != waiting.size) {
+        fail(&waiting,
+             "warp shuffle at %s (mask 0x%08x): lane %u waits at another shuffle, %s (mask 0x%08x)",
              describe_site(waiting.site).c_str(), waiting.mask, lane,
              describe_site(peer.site).c_str(), peer.mask);
       }
