@@ -74,7 +74,8 @@ def summary(root: Optional[Path] = None) -> dict[str, Any]:
     Only runs on the current sources count. state is "passed" (the whole suite
     passed, in one run or as its fast subset and slow part), "fast subset
     passed" (the slow part not run since the sources changed), "failed" (a run
-    failed), "stale" (every run predates the sources), "not run", or "no checkout".
+    failed), "stale" (every run predates the sources), "not run" (nothing
+    recorded, or only a build with another chunk size), or "no checkout".
     """
     root = checkout_root() if root is None else root
     if root is None:
@@ -98,6 +99,9 @@ def summary(root: Optional[Path] = None) -> dict[str, Any]:
         state = "fast subset passed"
         text = (f"passed: {_describe('not slow', passed['not slow'])}; the slow part has not run "
                 f"on these sources ({RUN_COMMAND} -m slow)")
+    elif current:  # only runs of another build (run.py --chunk-size) on these sources
+        return {"state": "not run", "runs": runs,
+                "text": f"the default build's suite has not run on these sources; run: {RUN_COMMAND}"}
     else:
         return {"state": "stale", "runs": runs,
                 "text": f"stale: the sources changed since the last run; run: {RUN_COMMAND}"}

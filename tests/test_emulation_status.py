@@ -59,6 +59,17 @@ def test_a_failed_run_fails_the_whole_status(tmp_path):
     assert status["state"] == "failed" and status["text"].startswith("FAILED: slow part")
 
 
+def test_a_run_of_another_build_neither_makes_nor_hides_a_pass(tmp_path):
+    root = fake_checkout(tmp_path)
+    _emulation_status.record_run(root, run("all, chunks of 65536"))
+    assert _emulation_status.summary(root)["state"] == "not run"
+    _emulation_status.record_run(root, run("all"))
+    assert _emulation_status.summary(root)["state"] == "passed"
+    _emulation_status.record_run(root, run("all, chunks of 65536", passed=False))
+    status = _emulation_status.summary(root)
+    assert status["state"] == "failed" and "all, chunks of 65536" in status["text"]
+
+
 def test_report_has_a_cuda_emulation_line():
     info = _build_report.collect()
     assert info["cuda_emulation"]["state"] in {

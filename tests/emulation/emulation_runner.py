@@ -100,8 +100,11 @@ def run_tests(built: emulation_build.Built, markers: str = "", pytest_args: Sequ
     if not pytest_args:
         summary = output.strip().splitlines()[-1] if output.strip() else ""
         counts = re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)
+        scope = markers or "all"
+        if built.chunk_size != emulation_build.DEFAULT_CHUNK_SIZE:
+            scope += f", chunks of {built.chunk_size}"  # recorded apart from the default build's
         record = {
-            "scope": markers or "all",
+            "scope": scope,
             "passed": returncode == 0,
             "counts": {word: int(number) for number, word in counts},
             "seconds": round(time.monotonic() - started, 1),
