@@ -1,7 +1,8 @@
 """The build and environment report behind ``python -m apex_amp``.
 
 :func:`collect` gathers the facts (which implementation of the ops is in use
-and why, how the extension was built, which kernels each op has, the CPU ISA,
+and why, how the extension was built, which kernels each op has, whether the
+host emulation of the CUDA kernels passed in this checkout, the CPU ISA,
 torch, GPUs, threads) into a plain dict; :func:`format_report` turns them into
 the text the command prints; :func:`problems` says what is missing when a
 caller (CI) requires the compiled CPU or CUDA kernels.
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import __version__
+from . import __version__, _emulation_status
 from ._extension import STATUS
 
 __all__ = ["collect", "format_report", "problems"]
@@ -75,6 +76,7 @@ def collect() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "interop_threads": torch.get_num_interop_threads(),
         "openmp": torch._C.has_openmp,
+        "cuda_emulation": _emulation_status.summary(),
     }
 
 
@@ -118,6 +120,7 @@ def format_report(info: dict[str, Any]) -> str:
         f"  ops backend    {info['backend']}",
         f"  CPU kernels    {_cpu_line(build)}",
         f"  CUDA kernels   {_cuda_line(build)}",
+        f"  CUDA emulation {info['cuda_emulation']['text']}",
         *(f"  {key:<14} {value}" for key, value in build.items() if key not in known),
         "kernels per op (torch.ops.apex_amp)",
         *_kernel_lines(info["kernels"]),

@@ -22,6 +22,10 @@ from apex_amp import ops  # noqa: E402
 
 DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.cuda))
 
+# tests/emulation/ runs in its own sanitized process (tests/test_cuda_emulation.py
+# starts it); collected here, its tests would find no emulation library.
+collect_ignore = ["emulation"]
+
 
 def pytest_configure(config):
     # Also declared in pyproject.toml; repeated so the suite runs without it.

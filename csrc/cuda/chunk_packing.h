@@ -10,8 +10,9 @@
 // many blocks for one launch) it is handed to the launcher and packing
 // starts again, carrying a half-processed tensor over to the next launch.
 //
-// Plain C++ (no CUDA), so that the packing can be checked on any machine;
-// multi_tensor_apply.cuh adds the kernel and the launch.
+// Plain C++ (no CUDA), so that the packing can be checked on any machine
+// (tests/emulation/test_chunk_packing.py); multi_tensor_apply.cuh adds the
+// kernel and the launch.
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -26,7 +27,13 @@ namespace apex_amp {
 // Elements per chunk, i.e. per thread block: large enough that a block's
 // fixed cost (reading its metadata, one flag write) is negligible, small
 // enough that a 100k-element tensor still spreads over a couple of blocks.
+// The test-only host emulation of these kernels (tests/emulation) builds them
+// with smaller chunks, so that small tensors already span several launches.
+#ifdef APEX_AMP_EMULATION_CHUNK_SIZE
+constexpr int kChunkSize = APEX_AMP_EMULATION_CHUNK_SIZE;
+#else
 constexpr int kChunkSize = 65536;
+#endif
 // Elements per vector load/store (16 bytes of fp32, 8 of fp16/bf16).
 constexpr int kILP = 4;
 static_assert(kChunkSize % kILP == 0, "chunks must start on a vector boundary");

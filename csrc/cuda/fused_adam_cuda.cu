@@ -9,6 +9,7 @@
 // clear, so every block of the op sees the same step.
 #include "amp_math.h"
 #include "cuda/dtype_groups.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/multi_tensor_apply.cuh"
 #include "validate.h"
 
@@ -204,7 +205,7 @@ void fused_adam_cuda(
     }
   }
 
-  increment_step_kernel<<<1, 1, 0, stream>>>(step_ptr, found_inf_ptr);
+  APEX_AMP_LAUNCH(1, 1, 0, stream, increment_step_kernel)(step_ptr, found_inf_ptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -9,6 +9,7 @@
 //      tensor sums that tensor's slot range into its norm. (Like the CPU
 //      kernel: fp32 within a chunk, double across chunks and tensors.)
 #include "cuda/dtype_groups.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/multi_tensor_apply.cuh"
 #include "validate.h"
 
@@ -156,7 +157,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cuda(at::TensorList tensors, bool per_
     });
   }
 
-  total_norm_kernel<<<1, kCleanupBlockSize, 0, stream>>>(
+  APEX_AMP_LAUNCH(1, kCleanupBlockSize, 0, stream, total_norm_kernel)(
       partials_ptr, num_slots, total.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
@@ -165,7 +166,8 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cuda(at::TensorList tensors, bool per_
     TensorSlotRanges ranges{};
     int packed = 0;
     const auto launch = [&]() {
-      per_tensor_norm_kernel<<<packed, kCleanupBlockSize, 0, stream>>>(ranges, partials_ptr, norms_ptr);
+      APEX_AMP_LAUNCH(packed, kCleanupBlockSize, 0, stream, per_tensor_norm_kernel)(
+          ranges, partials_ptr, norms_ptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       packed = 0;
     };

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "chunk_packing.h"
+#include "launch.cuh"
 
 #include <c10/cuda/CUDAException.h>
 
@@ -70,7 +71,8 @@ void multi_tensor_apply(
   static_assert(
       sizeof(Metadata) + sizeof(Functor) <= kKernelArgLimitBytes, "kernel arguments exceed 4 KB");
   pack_chunks<Depth>(tensors, [&](const Metadata& meta, int num_blocks) {
-    multi_tensor_kernel<Depth, Functor><<<num_blocks, kBlockSize, 0, stream>>>(meta, functor);
+    APEX_AMP_LAUNCH(num_blocks, kBlockSize, 0, stream, multi_tensor_kernel<Depth, Functor>)(
+        meta, functor);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

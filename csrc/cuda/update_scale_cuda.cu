@@ -2,6 +2,7 @@
 // (update_scale_math) applied by one thread on the device that holds the
 // scale, so the step's found_inf never has to come back to the host.
 #include "amp_math.h"
+#include "cuda/launch.cuh"
 #include "validate.h"
 
 #include <ATen/ATen.h>
@@ -50,7 +51,7 @@ void update_scale_cuda(
       static_cast<float>(min_scale),
       static_cast<float>(max_scale),
       consecutive_hysteresis};
-  update_scale_kernel<<<1, 1, 0, stream>>>(
+  APEX_AMP_LAUNCH(1, 1, 0, stream, update_scale_kernel)(
       scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
       hysteresis_tracker.data_ptr<int32_t>(), found_inf.data_ptr<float>(), rule);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
