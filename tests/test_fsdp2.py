@@ -78,6 +78,10 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
+def _o2(**extra):
+    return dict(opt_level="O2", half_dtype=torch.bfloat16, **extra)
+
+
 # ---- O2: the shards are the masters --------------------------------------------------------------
 @pytest.mark.parametrize("optimizer_name", ["SGD", "FusedAdam"])
 @pytest.mark.parametrize("half, policy", [("bf16", "BF16"), ("fp16", "FP16")])
@@ -207,11 +211,19 @@ def test_passes_without_gradient_sync_are_checked_once_by_the_synchronising_pass
     assert all(torch.equal(a, full(p)) for a, p in zip(before, model.parameters()))
 
 
+def test_overflow_reports_count_the_non_finite_values_of_this_ranks_shards(process_group):
+    model = shard(make_model(), BF16)
+    optimizer = FusedAdam(model.parameters(), lr=1e-2)
+    amp.initialize(model, optimizer, **_o2(), overflow_report=True, verbosity=0)
+    loss = model(torch.randn(4, 6)).float().sum()
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+        model[3].bias.grad.to_local()[1] = float("nan")
+    (entry,) = amp.last_overflow().params
+    assert (entry.name, entry.inf, entry.nan, entry.numel) == ("3.bias", 0, 1, 3)
+
+
 # ---- misconfigurations -------------------------------------------------------------------------
-def _o2(**extra):
-    return dict(opt_level="O2", half_dtype=torch.bfloat16, **extra)
-
-
 MISCONFIGURATIONS = {
     "O2 without a policy": (
         lambda: shard(make_model(), NO_POLICY), _o2(),
