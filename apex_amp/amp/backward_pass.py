@@ -64,6 +64,9 @@ def scale_loss(
             backward passes with the same loss and scale); the last pass before
             ``optimizer.step()`` must use ``delay_unscale=False``. Ignored when
             gradients from an earlier, unscaled pass exist (they are merged now).
+            Set by itself for a model sharded by FSDP2 under
+            ``set_requires_gradient_sync(False)``, whose gradients stay inside
+            FSDP2 until the synchronising backward.
         delay_overflow_check: accepted for apex compatibility; the check never
             syncs with the host here, so there is nothing to delay.
 

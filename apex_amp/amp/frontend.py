@@ -126,7 +126,8 @@ def initialize(
     """Prepare models and optimizers for mixed precision; returns the same objects.
 
     Args:
-        models: a ``torch.nn.Module`` or a list of them (not yet wrapped in DDP/DataParallel).
+        models: a ``torch.nn.Module`` or a list of them (not yet wrapped in DDP/DataParallel;
+            already sharded by FSDP2's ``fully_shard``, whose fp32 shards are then the masters).
         optimizers: a ``torch.optim.Optimizer``, a list of them, or None.
         enabled: False returns everything untouched and makes ``scale_loss`` a pass-through.
         opt_level: "O0" (fp32), "O1" (per-op casts), "O2" (half model, fp32 masters), "O3" (half everything).
