@@ -48,7 +48,9 @@ class CheckpointState:
                 f"the checkpoint entry has no {missing}; it was not saved from amp.checkpoint_state(...) "
                 "(save and load the same {name: amp.checkpoint_state(model, optimizer)} dict)"
             )
-        session.load_state_dict(state_dict["amp"])  # checks the amp config first: a mismatch changes nothing
+        # DCP has already read the tensors into the ones state_dict() handed it (the model's and the
+        # optimizer's own): a run with other amp settings is refused here, before set_state_dict.
+        session.load_state_dict(state_dict["amp"])
         set_state_dict(self.model, self.optimizers, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optimizer"])
 
@@ -61,7 +63,9 @@ def checkpoint_state(model: nn.Module, optimizers: Any) -> CheckpointState:
     checkpoint saved on N ranks loads on M (the values are the same, bit for
     bit; resuming on N ranks continues the run bit for bit). The loss scalers
     travel with it. Load after ``amp.initialize`` with the settings of the run
-    that saved it.
+    that saved it: other settings (opt_level, half_dtype, num_losses) raise a
+    ``ValueError``, by which time DCP has read the weights and optimizer state
+    in place, so start again from fresh objects.
 
     Args:
         model: the model ``amp.initialize`` got (sharded by ``fully_shard``, or plain at O0/O1).
