@@ -1,4 +1,4 @@
-"""The pure-PyTorch implementation of every apex_amp op.
+"""The pure-PyTorch implementation of every apex_amp op, and every op's fake kernel.
 
 Registered as real torch ops under ``torch.ops.apex_amp_fallback`` with the
 schemas of csrc/ops.cpp (a test keeps the two in agreement), so that
@@ -6,11 +6,22 @@ schemas of csrc/ops.cpp (a test keeps the two in agreement), so that
 work with ``torch.library.opcheck`` and ``torch.compile``. Used when the
 compiled extension is missing or ``APEX_AMP_FORCE_FALLBACK=1``.
 
+Each op here has two parts. Its fake (meta) kernel checks the metadata of
+the arguments (the metadata part of csrc/validate.h's rules, in
+apex_amp/_checks.py's words) and describes the outputs; it is registered for
+both namespaces (apex_amp/ops.py registers it for the compiled op). Its
+fallback runs the fake kernel first, then the memory checks that need real
+tensors, then the math. ``unscale_`` is torch's own
+``_amp_foreach_non_finite_check_and_unscale_``, which does exactly that op's
+job; torch has no primitive that matches the other ops exactly (see
+docs/adding_an_op.md).
+
 Semantics are those of the kernels: math in fp32 whatever the storage dtype,
 ``found_inf`` written (1.0) only when an inf/NaN is met and never cleared,
-arguments validated with the kernels' messages (apex_amp/_validate.py). The
-fp32 arithmetic follows csrc/amp_math.h operation by operation, so results
-agree with the kernels to a few units in the last place.
+tensors of any dense layout. The fp32 arithmetic follows csrc/amp_math.h
+operation by operation, so results agree with the kernels to a few units in
+the last place; corresponding tensors pair up element by element as in the
+kernels (same shape, or both contiguous and viewed as one another's shape).
 
 No op here forces a host-device sync: flags and the loss-scale rule are
 applied with masked writes on the device (``masked_fill_``, ``torch.where``).
@@ -23,7 +34,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from . import _validate
+from . import _checks as check
 
 __all__ = ["NAMESPACE", "SCHEMAS", "FAKE_KERNELS"]
 
@@ -46,7 +57,7 @@ SCHEMAS = {
         "(Tensor(a!) scale, Tensor(b!) growth_tracker, "
         "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
         "float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
-        "float max_scale) -> ()"
+        "float max_scale, bool consecutive_hysteresis) -> ()"
     ),
 }
 
@@ -85,28 +96,66 @@ def _write(dst: list[Tensor], values: list[Tensor]) -> None:
         torch._foreach_copy_(dst, values)
 
 
+def _shaped_like(tensors: list[Tensor], like: list[Tensor]) -> list[Tensor]:
+    """Each tensor with the shape of its counterpart in ``like``, so that torch's ops pair them element by
+    element as the kernels do (in memory order). The checks admit only equal shapes (then with equal strides)
+    or two contiguous tensors, for which the reshape is a view: nothing is copied."""
+    return [t if t.shape == o.shape else t.view(o.shape) for t, o in zip(tensors, like)]
+
+
 def _scaled_fp32(tensors: list[Tensor], factor: Tensor) -> list[Tensor]:
     if not tensors:
         return []
     return torch._foreach_mul(_as_fp32(tensors), factor.reshape(()))
 
 
+# ---- check_finite ---------------------------------------------------------------------------
+def _fake_check_finite(tensors: list[Tensor], found_inf: Tensor) -> None:
+    op, device = "check_finite", found_inf.device
+    check.tensor_lists(op, device, tensors=tensors)
+    check.scalars(op, device, found_inf=found_inf)
+
+
 @_op("check_finite", mutates_args=("found_inf",))
 def check_finite(tensors: list[Tensor], found_inf: Tensor) -> None:
-    _validate.validate_check_finite(tensors, found_inf)
+    _fake_check_finite(tensors, found_inf)
     _flag_nonfinite(found_inf, tensors)
+
+
+# ---- unscale_ -------------------------------------------------------------------------------
+def _fake_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    op, device = "unscale_", found_inf.device
+    check.tensor_lists(op, device, grads=grads)
+    check.scalars(op, device, found_inf=found_inf, inv_scale=inv_scale)
 
 
 @_op("unscale_", mutates_args=("grads", "found_inf"))
 def unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
-    _validate.validate_unscale(grads, found_inf, inv_scale)
-    _flag_nonfinite(found_inf, grads)  # the grads as they come in, before scaling
-    _write(grads, _scaled_fp32(grads, inv_scale))
+    _fake_unscale(grads, found_inf, inv_scale)
+    check.disjoint_within("unscale_", grads=grads)
+    if grads:
+        # Exactly this op: grads *= inv_scale in fp32, found_inf := 1 on an inf/NaN grad (before scaling).
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+# ---- scale_ and axpby_ ----------------------------------------------------------------------
+def _check_pairs(op: str, names: tuple[str, str], a: list[Tensor], b: list[Tensor], device: torch.device) -> None:
+    check.tensor_lists(op, device, **{names[0]: a, names[1]: b})
+    check.corresponding(op, names[0], a, **{names[1]: b})
+
+
+def _fake_scale(src: list[Tensor], dst: list[Tensor], scale: Tensor, found_inf: Tensor) -> None:
+    op, device = "scale_", found_inf.device
+    _check_pairs(op, ("src", "dst"), src, dst, device)
+    check.scalars(op, device, scale=scale, found_inf=found_inf)
 
 
 @_op("scale_", mutates_args=("dst", "found_inf"))
 def scale_(src: list[Tensor], dst: list[Tensor], scale: Tensor, found_inf: Tensor) -> None:
-    _validate.validate_scale(src, dst, scale, found_inf)
+    _fake_scale(src, dst, scale, found_inf)
+    check.disjoint_within("scale_", dst=dst)
+    check.disjoint_pairs("scale_", "src", src, "dst", dst, may_be_same=True)
+    src = _shaped_like(src, dst)
     results = [r.to(d.dtype) for r, d in zip(_scaled_fp32(src, scale), dst)]
     # A non-finite src element gives a non-finite product (inf * 0 is NaN), so
     # checking the converted results covers "src or result" in one pass.
@@ -114,11 +163,20 @@ def scale_(src: list[Tensor], dst: list[Tensor], scale: Tensor, found_inf: Tenso
     _write(dst, results)
 
 
+def _fake_axpby(x: list[Tensor], y: list[Tensor], a: Tensor, b: float, found_inf: Tensor) -> None:
+    op, device = "axpby_", found_inf.device
+    _check_pairs(op, ("x", "y"), x, y, device)
+    check.scalars(op, device, a=a, found_inf=found_inf)
+
+
 @_op("axpby_", mutates_args=("y", "found_inf"))
 def axpby_(x: list[Tensor], y: list[Tensor], a: Tensor, b: float, found_inf: Tensor) -> None:
-    _validate.validate_axpby(x, y, a, found_inf)
+    _fake_axpby(x, y, a, b, found_inf)
+    check.disjoint_within("axpby_", y=y)
+    check.disjoint_pairs("axpby_", "x", x, "y", y, may_be_same=True)
     if not x:
         return
+    x = _shaped_like(x, y)
     sums = torch._foreach_add(_scaled_fp32(x, a), torch._foreach_mul(_as_fp32(y), _f32(b)))
     results = [r.to(t.dtype) for r, t in zip(sums, y)]
     # As in scale_: an inf/NaN in x always reaches the result.
@@ -126,14 +184,32 @@ def axpby_(x: list[Tensor], y: list[Tensor], a: Tensor, b: float, found_inf: Ten
     _write(y, results)
 
 
+# ---- l2norm ---------------------------------------------------------------------------------
+def _check_l2norm(tensors: list[Tensor]) -> None:
+    if len(tensors) == 0:
+        # The compiled op never gets here: with no tensor at all the dispatcher
+        # itself refuses the call ("There were no tensor arguments ...").
+        check.fail("l2norm", "tensors is empty; pass at least one tensor (the result's device comes from it)")
+    check.tensor_lists("l2norm", tensors[0].device, tensors=tensors)
+
+
+def _fake_l2norm(tensors: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
+    _check_l2norm(tensors)
+    first = tensors[0]
+    total = first.new_empty((), dtype=torch.float32)
+    norms = first.new_empty((len(tensors) if per_tensor else 0,), dtype=torch.float32)
+    return total, norms
+
+
 @_op("l2norm", mutates_args=())
 def l2norm(tensors: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
-    _validate.validate_l2norm(tensors)
+    _check_l2norm(tensors)
     norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     total = torch.linalg.vector_norm(norms)
     return total, norms if per_tensor else norms.new_empty(0)
 
 
+# ---- fused_adam_ ----------------------------------------------------------------------------
 def _step_taken(found_inf: Optional[Tensor]) -> Union[bool, Tensor]:
     """Whether fused_adam_ takes its step: a bool when known without a sync, else a device mask."""
     if found_inf is None:
@@ -189,6 +265,60 @@ def _adam_math(params, grads, exp_avgs, exp_avg_sqs, inv_scale, step_size, bc2_s
     return param, exp_avg, exp_avg_sq
 
 
+def _check_adam_dtypes(params, grads, exp_avgs, exp_avg_sqs, model_params) -> None:
+    # fp32 params[i] (masters): grads[i] and model_params[i] of any floating dtype; fp16/bf16
+    # params[i]: grads[i] of the same dtype and no model copy; the moments: the dtype of params[i].
+    op = "fused_adam_"
+    for i, param in enumerate(params):
+        if param.dtype != torch.float32:
+            if grads[i].dtype != param.dtype:
+                check.fail(op, f"grads[{i}] is {grads[i].dtype} but params[{i}] is {param.dtype}; fp16/bf16 "
+                               "params need grads of their own dtype (or keep fp32 master params)")
+            if model_params:
+                check.fail(op, f"model_params[{i}] was given for {param.dtype} params[{i}]; only fp32 master "
+                               "params write a model copy, so pass model_params=[]")
+        for name, moments in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+            if moments[i].dtype != param.dtype:
+                check.fail(op, f"{name}[{i}] is {moments[i].dtype}; the moments take the dtype of params[{i}], "
+                               f"{param.dtype}")
+
+
+def _fake_fused_adam(
+    params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
+    weight_decay, adamw_mode, bias_correction, inv_scale=None, found_inf=None,
+) -> None:
+    op, device = "fused_adam_", step.device
+    others = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    if model_params:
+        others["model_params"] = model_params
+    check.tensor_lists(op, device, params=params, **others)
+    check.corresponding(op, "params", params, **others)
+    _check_adam_dtypes(params, grads, exp_avgs, exp_avg_sqs, model_params)
+    check.scalars(op, device, step=step)
+    for name, flag in (("inv_scale", inv_scale), ("found_inf", found_inf)):
+        if flag is not None:
+            check.scalars(op, device, **{name: flag})
+    # Written so that NaN fails every check.
+    check.number(op, "lr", lr, lr >= 0.0, ">= 0")
+    check.number(op, "beta1", beta1, 0.0 <= beta1 < 1.0, "in [0, 1)")
+    check.number(op, "beta2", beta2, 0.0 <= beta2 < 1.0, "in [0, 1)")
+    check.number(op, "eps", eps, eps >= 0.0, ">= 0")
+    check.number(op, "weight_decay", weight_decay, weight_decay >= 0.0, ">= 0")
+
+
+def _check_adam_memory(params, exp_avgs, exp_avg_sqs, model_params) -> None:
+    op = "fused_adam_"
+    check.disjoint_within(op, params=params, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, model_params=model_params)
+    for (name_a, a), (name_b, b) in (
+        (("params", params), ("exp_avgs", exp_avgs)),
+        (("params", params), ("exp_avg_sqs", exp_avg_sqs)),
+        (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)),
+    ):
+        check.disjoint_pairs(op, name_a, a, name_b, b, may_be_same=False)
+    # An fp32 model_params[i] may be params[i] itself (a redundant write).
+    check.disjoint_pairs(op, "params", params, "model_params", model_params, may_be_same=True)
+
+
 @_op("fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "step"))
 def fused_adam_(
     params: list[Tensor],
@@ -207,15 +337,19 @@ def fused_adam_(
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
 ) -> None:
-    _validate.validate_fused_adam(
+    _fake_fused_adam(
         params, grads, exp_avgs, exp_avg_sqs, model_params, step,
-        lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf,
+        lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, inv_scale, found_inf,
     )
+    _check_adam_memory(params, exp_avgs, exp_avg_sqs, model_params)
     taken = _step_taken(found_inf)
     if taken is False:
         return
     step_after = step + 1.0
     if params:
+        grads, exp_avgs, exp_avg_sqs, model_params = (
+            _shaped_like(tensors, params) for tensors in (grads, exp_avgs, exp_avg_sqs, model_params)
+        )
         step_size, bc2_sqrt = _adam_step_scalars(step_after, lr, beta1, beta2, bias_correction)
         hyper = tuple(_f32(h) for h in (lr, beta1, beta2, eps, weight_decay)) + (adamw_mode,)
         param, exp_avg, exp_avg_sq = _adam_math(
@@ -226,6 +360,33 @@ def fused_adam_(
         _commit(exp_avg_sqs, exp_avg_sq, taken)
         _commit(model_params, param, taken)
     _commit([step], [step_after], taken)
+
+
+# ---- update_scale_ --------------------------------------------------------------------------
+INT32_MAX = 2**31 - 1
+
+
+def _fake_update_scale(
+    scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
+    growth_interval, hysteresis, min_scale, max_scale, consecutive_hysteresis,
+) -> None:
+    op, device = "update_scale_", scale.device
+    check.scalars(op, device, scale=scale)
+    check.scalars(op, device, torch.int32, growth_tracker=growth_tracker, hysteresis_tracker=hysteresis_tracker)
+    check.scalars(op, device, found_inf=found_inf)
+    check.number(op, "growth_interval", growth_interval, 1 <= growth_interval <= INT32_MAX,
+                 "an integer in [1, 2^31 - 1]")
+    check.number(op, "hysteresis", hysteresis, 1 <= hysteresis <= INT32_MAX, "an integer in [1, 2^31 - 1]")
+    # Written so that NaN fails every check; min_scale 0 and max_scale inf turn the floor and the cap off.
+    check.number(op, "growth_factor", growth_factor, growth_factor >= 1.0, ">= 1")
+    check.number(op, "backoff_factor", backoff_factor, 0.0 < backoff_factor < 1.0, "in (0, 1)")
+    check.number(op, "min_scale", min_scale, 0.0 <= min_scale <= max_scale,
+                 f"in [0, max_scale] (max_scale={max_scale})")
+
+
+def _times(scale: Tensor, factor: float) -> Tensor:
+    # amp_math.h: the fp32 scale times a double factor, rounded once to fp32.
+    return (scale.double() * factor).float()
 
 
 @_op("update_scale_", mutates_args=("scale", "growth_tracker", "hysteresis_tracker"))
@@ -240,13 +401,14 @@ def update_scale_(
     hysteresis: int,
     min_scale: float,
     max_scale: float,
+    consecutive_hysteresis: bool,
 ) -> None:
-    _validate.validate_update_scale(
-        scale, growth_tracker, hysteresis_tracker, found_inf,
-        growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+    _fake_update_scale(
+        scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
+        growth_interval, hysteresis, min_scale, max_scale, consecutive_hysteresis,
     )
-    # amp_math.h's update_scale_math with both branches computed and the
-    # right one picked on the device (no host sync).
+    # amp_math.h's update_scale_math restated in torch ops, for installs without a compiler: both
+    # branches computed and the right one picked on the device (no host sync).
     min_scale, max_scale = _f32(min_scale), _f32(max_scale)
     overflow = found_inf.reshape(()) != 0
     old_scale = scale.reshape(())
@@ -254,63 +416,32 @@ def update_scale_(
     old_hysteresis = hysteresis_tracker.reshape(())
 
     spent_hysteresis = torch.clamp_min(old_hysteresis - 1, 0)
-    reduced = old_scale * _f32(backoff_factor)
+    reduced = _times(old_scale, backoff_factor)
     backed_off = torch.where(reduced > min_scale, reduced, min_scale)
-    scale_on_overflow = torch.where(spent_hysteresis <= 0, backed_off, old_scale)
+    scale_on_overflow = torch.where(spent_hysteresis == 0, backed_off, old_scale)
 
     counted = old_growth + 1
     grows = counted >= growth_interval
-    grown = old_scale * _f32(growth_factor)
-    # A grown scale above max_scale is capped; one that overflows float never replaces the old.
-    capped = torch.where(grown <= max_scale, grown, torch.where(old_scale < max_scale, max_scale, old_scale))
-    scale_when_clean = torch.where(grows, capped, old_scale)
+    grown = _times(old_scale, growth_factor)
+    capped = torch.where(grown <= max_scale, grown, torch.where(old_scale > max_scale, old_scale, max_scale))
+    # A product that is inf in fp32 is no scale: the old one stays.
+    scale_when_clean = torch.where(grows & torch.isfinite(grown), capped, old_scale)
+    refilled = hysteresis if consecutive_hysteresis else torch.where(grows, hysteresis, old_hysteresis)
 
     scale.copy_(torch.where(overflow, scale_on_overflow, scale_when_clean))
     growth_tracker.copy_(torch.where(overflow | grows, 0, counted))
-    hysteresis_tracker.copy_(
-        torch.where(overflow, spent_hysteresis, torch.where(grows, hysteresis, old_hysteresis))
-    )
+    hysteresis_tracker.copy_(torch.where(overflow, spent_hysteresis, refilled))
 
 
-# Fake (meta) kernels: validate like the real ones, then describe the outputs.
-def _fake_l2norm(tensors: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
-    _validate.validate_l2norm(tensors)
-    first = tensors[0]
-    total = first.new_empty((), dtype=torch.float32)
-    norms = first.new_empty((len(tensors) if per_tensor else 0,), dtype=torch.float32)
-    return total, norms
-
-
-def _fake_returning_none(validate):
-    def fake(*args, **kwargs) -> None:
-        validate(*args, **kwargs)
-
-    return fake
-
-
-def _fake_fused_adam(
-    params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-    weight_decay, adamw_mode, bias_correction, inv_scale=None, found_inf=None,
-) -> None:
-    _validate.validate_fused_adam(
-        params, grads, exp_avgs, exp_avg_sqs, model_params, step,
-        lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf,
-    )
-
-
-def _fake_axpby(x, y, a, b, found_inf) -> None:
-    _validate.validate_axpby(x, y, a, found_inf)
-
-
-# Shared with apex_amp/ops.py, which registers them for the compiled ops too.
+# Every op's fake kernel; apex_amp/ops.py registers them for the compiled ops too.
 FAKE_KERNELS = {
-    "check_finite": _fake_returning_none(_validate.validate_check_finite),
-    "unscale_": _fake_returning_none(_validate.validate_unscale),
-    "scale_": _fake_returning_none(_validate.validate_scale),
+    "check_finite": _fake_check_finite,
+    "unscale_": _fake_unscale,
+    "scale_": _fake_scale,
     "axpby_": _fake_axpby,
     "l2norm": _fake_l2norm,
     "fused_adam_": _fake_fused_adam,
-    "update_scale_": _fake_returning_none(_validate.validate_update_scale),
+    "update_scale_": _fake_update_scale,
 }
 
 for _name, _fake in FAKE_KERNELS.items():

@@ -12,6 +12,12 @@ Conventions:
   * ``inv_scale`` / ``scale`` / ``a`` are one-element float32 tensors on the
     tensors' device, so no call forces a host sync.
   * fp32, fp16 and bf16 tensors may be mixed in one list; math runs in fp32.
+  * tensors may have any dense layout (contiguous, channels_last,
+    channels_last_3d, permuted); corresponding tensors of different lists
+    (``src[i]`` and ``dst[i]``, ``params[i]`` and ``grads[i]``, ...) are
+    paired element by element in memory, so they must share it: both
+    contiguous, or the same sizes and strides (``torch.empty_like`` gives
+    that). Tensors that are not dense (expanded, strided slices) are refused.
 
 Example::
 
@@ -51,17 +57,6 @@ __all__ = [
 # "extension" or "fallback": which implementation these wrappers call.
 BACKEND: str = "extension" if STATUS.loaded else "fallback"
 
-OP_NAMES = (
-    "check_finite",
-    "unscale_",
-    "scale_",
-    "axpby_",
-    "l2norm",
-    "fused_adam_",
-    "update_scale_",
-)
-
-
 def backend_namespace(backend: Optional[str] = None):
     """The ``torch.ops`` namespace of ``backend`` ("extension" or "fallback").
 
@@ -94,8 +89,8 @@ def backend_namespace(backend: Optional[str] = None):
 _ops = backend_namespace()
 
 # Fake (meta) kernels of the compiled ops, for torch.compile and meta tensors:
-# the fallback's, which validate arguments like the kernels and describe the
-# outputs (none for the in-place ops, new fp32 tensors for l2norm).
+# the fallback's, which check the arguments' metadata and describe the outputs
+# (none for the in-place ops, new fp32 tensors for l2norm).
 if STATUS.loaded:
     for _name, _fake_kernel in _fallback.FAKE_KERNELS.items():
         torch.library.register_fake(f"apex_amp::{_name}", _fake_kernel)
@@ -305,6 +300,7 @@ def update_scale_(
     hysteresis: int = 1,
     min_scale: float = 1.0,
     max_scale: float = 2.0**24,
+    consecutive_hysteresis: bool = True,
 ) -> None:
     """Apply the dynamic loss-scale rule for one step, on the scale's device.
 
@@ -312,7 +308,13 @@ def update_scale_(
     unit of hysteresis, and once it is spent multiply the scale by
     ``backoff_factor`` (floored at ``min_scale``). Otherwise count the clean
     step; after ``growth_interval`` of them multiply the scale by
-    ``growth_factor`` (capped at ``max_scale``) and refill the hysteresis.
+    ``growth_factor`` (capped at ``max_scale``; a product that is inf in fp32
+    leaves the scale as it was). The hysteresis refills after every clean step
+    (``consecutive_hysteresis=True``, apex's ``update_scale_hysteresis``: only
+    overflows in a row back the scale off) or only when the scale grows
+    (``False``: Megatron's rule, DeepSpeed's default). Products are taken in
+    double and rounded once, as apex and torch do; with ``min_scale=0`` and
+    ``max_scale=inf`` this is apex's rule exactly.
 
     Args:
         scale: one-element float32 loss scale, updated in place.
@@ -323,16 +325,21 @@ def update_scale_(
         backoff_factor: multiplier on overflow.
         growth_interval: clean steps between growths.
         hysteresis: overflows tolerated before backing off (1 = back off at once).
-        min_scale: floor of the scale.
-        max_scale: cap of the scale.
+        min_scale: floor of the scale (0: none).
+        max_scale: cap of the scale (inf: none).
+        consecutive_hysteresis: refill the hysteresis after every clean step (True) or at growth only.
 
     Example::
 
         >>> import torch
         >>> from apex_amp import ops
         >>> scale = torch.full((1,), 65536.0)
-        >>> growth, hysteresis = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-        >>> ops.update_scale_(scale, growth, hysteresis, torch.ones(1))   # an overflow: back off
+        >>> growth, hysteresis = torch.zeros(1, dtype=torch.int32), torch.full((1,), 2, dtype=torch.int32)
+        >>> for found_inf in (1.0, 0.0, 1.0):   # isolated overflows between clean steps: tolerated
+        ...     ops.update_scale_(scale, growth, hysteresis, torch.full((1,), found_inf), hysteresis=2)
+        >>> scale
+        tensor([65536.])
+        >>> ops.update_scale_(scale, growth, hysteresis, torch.ones(1), hysteresis=2)  # a second in a row
         >>> scale
         tensor([32768.])
     """
@@ -347,4 +354,5 @@ def update_scale_(
         int(hysteresis),
         float(min_scale),
         float(max_scale),
+        bool(consecutive_hysteresis),
     )

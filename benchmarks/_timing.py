@@ -12,7 +12,8 @@ Methodology they implement:
   * competing implementations are timed interleaved, in rounds, so that a
     change of machine load during the run hits all of them alike;
   * a kernel's bound is ``bytes moved per element / measured bandwidth``: the
-    time it would take if it did nothing but stream its data once.
+    time it would take if it did nothing but stream its data once, at the best
+    bandwidth any of several access patterns reached (``Bandwidth``).
 
 Example::
 
@@ -32,9 +33,12 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
+
+from _stream_probe import PATTERNS, StreamProbe
 
 __all__ = [
     "Timing",
@@ -150,63 +154,96 @@ def time_interleaved(
 
 @dataclasses.dataclass(frozen=True)
 class Bandwidth:
-    """The machine's streaming memory bandwidth (GB/s = 1e9 bytes/s), measured with torch ops.
+    """The machine's streaming memory bandwidth (GB/s = 1e9 bytes/s) over several access patterns.
+
+    A bound must be an upper bound for every kernel it judges, so it is the best
+    bandwidth of any pattern measured, with the kernels' thread count: torch's own
+    streaming ops and, where a C++ compiler is available, probes that stream
+    exactly the kernels' patterns (``_stream_probe.py``: Adam's four reads and
+    three writes, the O2 step's, ...).
 
     Attributes:
-        inplace_gbs: read and write of the same buffer (``buf.mul_(c)``), counting
-            8 bytes per fp32 element. The bound of kernels that update in place.
-        read_gbs: read only (the faster of ``buf.sum()`` and ``buf.amax()``), 4 bytes
-            per element. The bound of read-only kernels such as a finite check.
-        copy_gbs: ``dst.copy_(src)``, counting 8 bytes per element. Lower than the
-            in-place figure because each store to a line not yet cached first reads
-            it (write-allocate), so it is shown for context only, never as a bound.
-        buffer_mb: size of the buffer measured (MiB, several times the last-level cache).
+        patterns: GB/s of each pattern measured, by name (bytes counted once per
+            element and stream; a store's write-allocate read is not counted).
+        read_only: the names of the read-only patterns among them.
+        buffer_mb: size of each buffer (MiB, several times the last-level cache).
+        note: why the C++ probes did not run, if they did not.
     """
 
-    inplace_gbs: float
-    read_gbs: float
-    copy_gbs: float
+    patterns: dict
+    read_only: tuple
     buffer_mb: int
+    note: str = ""
+
+    @property
+    def rw_gbs(self) -> float:
+        """The bound of kernels that write: the best of the read-write patterns."""
+        return max(gbs for name, gbs in self.patterns.items() if name not in self.read_only)
+
+    @property
+    def read_gbs(self) -> float:
+        """The bound of read-only kernels (a finite check): the best of the read-only patterns."""
+        return max(gbs for name, gbs in self.patterns.items() if name in self.read_only)
 
     @classmethod
-    def measure(cls, *, buffer_mb: int = 512, reps: int = 15, sync: Callable[[], None] = _no_sync) -> "Bandwidth":
-        """Measure the three bandwidths on a ``buffer_mb`` MiB fp32 buffer with torch's current threads."""
+    def measure(cls, *, buffer_mb: int = 512, reps: int = 15, sync: Callable[[], None] = _no_sync,
+                build_dir: Optional[Path] = None) -> "Bandwidth":
+        """Measure every pattern on ``buffer_mb`` MiB fp32 buffers with torch's current threads."""
         elements = buffer_mb * 2**20 // 4
         buf = torch.rand(elements, dtype=torch.float32) + 1.0
         other = torch.empty_like(buf)
-        # A factor this close to 1 keeps the values normal over any number of reps.
-        timings = time_interleaved(
-            {
-                "inplace": lambda: buf.mul_(1.0000001),
-                # Two different reductions; the faster one is the read bound.
-                "read_sum": lambda: buf.sum(),
-                "read_amax": lambda: buf.amax(),
-                "copy": lambda: other.copy_(buf),
-            },
-            warmup=2,
-            reps=reps,
-            sync=sync,
-        )
-        medians = {name: timing.median for name, timing in timings.items()}
-        read_seconds = min(medians["read_sum"], medians["read_amax"])
-        return cls(
-            inplace_gbs=8 * elements / medians["inplace"] / 1e9,
-            read_gbs=4 * elements / read_seconds / 1e9,
-            copy_gbs=8 * elements / medians["copy"] / 1e9,
-            buffer_mb=buffer_mb,
-        )
+        third = torch.rand_like(buf)
+        # name -> (call, bytes per element, read only?). A factor this close to 1 keeps the values normal.
+        calls = {
+            "in place, torch mul_": (lambda: buf.mul_(1.0000001), 8, False),
+            "2 reads + 1 write, torch add": (lambda: torch.add(buf, third, out=other), 12, False),
+            "3 reads + 1 write in place, torch addcmul_": (lambda: buf.addcmul_(third, other, value=1e-7), 16, False),
+            "copy, torch copy_": (lambda: other.copy_(buf), 8, False),
+            "read only, torch sum": (lambda: buf.sum(), 4, True),
+            "read only, torch amax": (lambda: buf.amax(), 4, True),
+        }
+        probe, note = StreamProbe.build(elements, torch.get_num_threads(),
+                                        build_dir or Path(__file__).resolve().parents[1] / "build" / "stream_probe")
+        if probe is not None:
+            for name, call in probe.calls.items():
+                calls[name] = (call, *PATTERNS[name])
+        timings = time_interleaved({name: call for name, (call, _, _) in calls.items()}, warmup=2, reps=reps,
+                                   sync=sync)
+        patterns = {name: nbytes * elements / timings[name].median / 1e9 for name, (_, nbytes, _) in calls.items()}
+        read_only = tuple(name for name, (_, _, is_read) in calls.items() if is_read)
+        return cls(patterns=patterns, read_only=read_only, buffer_mb=buffer_mb, note=note)
+
+    def best_with(self, other: "Bandwidth") -> "Bandwidth":
+        """Each pattern's better figure of two measurements (of the same buffers)."""
+        patterns = {name: max(gbs, other.patterns.get(name, 0.0)) for name, gbs in self.patterns.items()}
+        return dataclasses.replace(self, patterns=patterns)
 
     def bound_seconds(self, elements: int, bytes_per_element: float, *, read_only: bool = False) -> float:
-        """The time a kernel moving ``bytes_per_element`` per element would take at full bandwidth."""
-        gbs = self.read_gbs if read_only else self.inplace_gbs
+        """The time a kernel moving ``bytes_per_element`` per element would take at the best bandwidth."""
+        gbs = self.read_gbs if read_only else self.rw_gbs
         return elements * bytes_per_element / (gbs * 1e9)
 
     def bound_multiple(self, seconds: float, elements: int, bytes_per_element: float, *, read_only: bool = False) -> float:
         """``seconds`` as a multiple of the bound (1.0 = streaming speed; lower is impossible from DRAM)."""
         return seconds / self.bound_seconds(elements, bytes_per_element, read_only=read_only)
 
+    def describe(self) -> str:
+        """One line per pattern, the bounds marked."""
+        lines = []
+        for name, gbs in sorted(self.patterns.items(), key=lambda item: -item[1]):
+            mark = ""
+            if gbs == self.rw_gbs and name not in self.read_only:
+                mark = "  <- bound of read-write kernels"
+            elif gbs == self.read_gbs and name in self.read_only:
+                mark = "  <- bound of read-only kernels (r)"
+            lines.append(f"    {name:<44} {gbs:7.1f} GB/s{mark}")
+        if self.note:
+            lines.append(f"    ({self.note})")
+        return "\n".join(lines)
+
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {"patterns_gbs": self.patterns, "read_only": list(self.read_only), "rw_bound_gbs": self.rw_gbs,
+                "read_bound_gbs": self.read_gbs, "buffer_mb": self.buffer_mb, "note": self.note}
 
 
 def parallel_region_latency(*, reps: int = 50) -> float:

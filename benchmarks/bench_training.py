@@ -32,16 +32,20 @@ Run (from the repository root, in the venv where apex_amp is installed):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -139,11 +143,32 @@ def live_state_bytes(objects: list) -> int:
     return sum(storages.values())
 
 
+# What torch's profiler library (kineto) writes to the C-level stderr by itself on every start and
+# stop, and about the GPU a CPU-only machine does not have: not the benchmark's output.
+_KINETO_NOISE = re.compile(r"^(USDT|ERROR|WARNING|INFO):\d{4}-\d\d-\d\d [\d:]+ \d+:\d+ \w+\.cpp:\d+\]")
+
+
+@contextlib.contextmanager
+def _without_kineto_noise() -> Iterator[None]:
+    # Capture file descriptor 2 (where the C++ library writes), then pass on every other line.
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines():
+                if not _KINETO_NOISE.match(line):
+                    print(line, file=sys.stderr)
+
+
 def step_peak_bytes(step: Callable[[], None]) -> int:
     """Peak of the bytes allocated and not yet freed during one ``step()``, from the profiler's allocator events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_kineto_noise(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())

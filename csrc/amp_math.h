@@ -38,6 +38,19 @@ struct AdamStepParams {
   bool adamw_mode;              // decoupled weight decay (AdamW) instead of L2 (Adam)
 };
 
+// The constants of the dynamic loss-scale rule (update_scale_math). The
+// factors stay double: apex and torch multiply the fp32 scale by a double
+// factor and round the product once.
+struct ScaleRule {
+  double growth_factor;
+  double backoff_factor;
+  int32_t growth_interval;
+  int32_t hysteresis;
+  float min_scale;
+  float max_scale;
+  bool consecutive_hysteresis;
+};
+
 // Everything below has internal linkage (an unnamed namespace). The CPU
 // kernels compile this header once per instruction set (csrc/cpu/kernels_*.cpp);
 // with external linkage, the linker would keep one copy of, say,
@@ -125,45 +138,54 @@ C10_HOST_DEVICE inline T axpby(T x, T y, T a, T b) {
   return a * x + b * y;
 }
 
-// Dynamic loss-scale update for one step (the scaler's rule, run on the
-// device that holds the scale so that no host sync is needed):
-//   overflow: reset the growth counter, spend one unit of hysteresis, and once
-//             the hysteresis is used up multiply the scale by backoff_factor,
-//             never going below min_scale;
+// True when x is neither inf nor NaN.
+C10_HOST_DEVICE inline bool is_finite(float x) {
+  return !probe_says_nonfinite(nonfinite_probe(x));
+}
+
+// Dynamic loss-scale update for one step: the one statement of the scaler's
+// rule, run on the device that holds the scale so that no host sync is
+// needed (CPU and CUDA launchers; apex_amp/_fallback.py restates it in torch
+// ops for installs without a compiler).
+//   overflow: reset the growth counter and spend one unit of hysteresis
+//             (never below 0); once it is spent, multiply the scale by
+//             backoff_factor, never going below min_scale;
 //   clean:    count the step; after growth_interval clean steps in a row,
-//             multiply the scale by growth_factor (capped at max_scale) and
-//             refill the hysteresis.
+//             multiply the scale by growth_factor, capped at max_scale; a
+//             product that is inf in fp32 is no scale, and the old one stays.
+//             The hysteresis refills after every clean step when
+//             consecutive_hysteresis (so only overflows in a row back off:
+//             apex's update_scale_hysteresis), else only when the scale grows
+//             (Megatron's and DeepSpeed's default).
+// The products are taken in double and rounded once to fp32, as apex and
+// torch._amp_update_scale_ do; with hysteresis 1, min_scale 0 and max_scale
+// inf this is exactly torch._amp_update_scale_'s rule.
 C10_HOST_DEVICE inline void update_scale_math(
     float& scale,
     int32_t& growth_tracker,
     int32_t& hysteresis_tracker,
     bool found_inf,
-    float growth_factor,
-    float backoff_factor,
-    int32_t growth_interval,
-    int32_t hysteresis,
-    float min_scale,
-    float max_scale) {
+    const ScaleRule& rule) {
   if (found_inf) {
     growth_tracker = 0;
     hysteresis_tracker = hysteresis_tracker > 0 ? hysteresis_tracker - 1 : 0;
-    if (hysteresis_tracker <= 0) {
-      const float reduced = scale * backoff_factor;
-      scale = reduced > min_scale ? reduced : min_scale;
+    if (hysteresis_tracker == 0) {
+      const float reduced = static_cast<float>(scale * rule.backoff_factor);
+      scale = reduced > rule.min_scale ? reduced : rule.min_scale;
     }
-  } else {
-    growth_tracker += 1;
-    if (growth_tracker >= growth_interval) {
-      growth_tracker = 0;
-      hysteresis_tracker = hysteresis;
-      const float grown = scale * growth_factor;
-      // A grown scale that overflows float is not a valid scale: keep the old one.
-      if (grown <= max_scale) {
-        scale = grown;
-      } else if (scale < max_scale) {
-        scale = max_scale;
-      }
+    return;
+  }
+  growth_tracker += 1;
+  const bool grows = growth_tracker >= rule.growth_interval;
+  if (grows) {
+    growth_tracker = 0;
+    const float grown = static_cast<float>(scale * rule.growth_factor);
+    if (is_finite(grown)) {
+      scale = grown <= rule.max_scale ? grown : (scale > rule.max_scale ? scale : rule.max_scale);
     }
+  }
+  if (grows || rule.consecutive_hysteresis) {
+    hysteresis_tracker = rule.hysteresis;
   }
 }
 

@@ -51,8 +51,12 @@ inline void check_same_length(
       " must be lists of the same length, got ", a.size(), " and ", b.size());
 }
 
-// Each tensor: defined, on `device`, contiguous, without internal overlap, of
-// one of `dtypes`.
+// Each tensor: defined, on `device`, of one of `dtypes`, and dense: its
+// elements fill one block of memory, in any order of the dimensions
+// (contiguous, channels_last, channels_last_3d, permuted). The kernels walk
+// that block from data_ptr() as a flat array, which reaches every element
+// exactly once; an expanded tensor (elements repeated) or a strided slice
+// (gaps) has no such block and is refused.
 inline void check_tensor_list(
     const char* op,
     const char* name,
@@ -69,18 +73,39 @@ inline void check_tensor_list(
         dtype_in(t.scalar_type(), dtypes), "apex_amp.", op, ": ", name, "[", i, "] has dtype ",
         t.scalar_type(), "; expected one of ", dtype_names(dtypes));
     TORCH_CHECK(
-        t.is_contiguous(), "apex_amp.", op, ": ", name, "[", i,
-        "] must be contiguous; call .contiguous() on it (parameters and gradients "
-        "normally are)");
-    TORCH_CHECK(
-        at::has_internal_overlap(t) != at::MemOverlap::Yes, "apex_amp.", op, ": ", name, "[", i,
-        "] has internally overlapping memory (e.g. from expand()); pass a tensor that "
-        "owns its elements");
+        t.is_non_overlapping_and_dense(), "apex_amp.", op, ": ", name, "[", i,
+        "] must be dense (every element stored once, with no gaps, in any memory format), got "
+        "sizes ", t.sizes(), " and strides ", t.strides(),
+        " (from expand() or a strided slice?); call .contiguous() on it");
   }
 }
 
-// Corresponding tensors of two lists hold the same number of elements.
-inline void check_same_numel(
+// Whether dense tensors a and b (of equal numel) order their elements alike
+// in memory: both contiguous (their shapes may then differ), or the same
+// sizes and the same strides (the stride of a size-1 dimension never matters).
+inline bool same_memory_order(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() <= 1 || (a.is_contiguous() && b.is_contiguous())) {
+    return true;
+  }
+  if (a.sizes() != b.sizes()) {
+    return false;
+  }
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) != 1 && a.stride(d) != b.stride(d)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Corresponding tensors of two lists (a[i] and b[i]) are walked together in
+// memory order, element k of one with element k of the other: they must hold
+// the same number of elements and order them alike (same_memory_order). A
+// mismatch is refused rather than copied: autograd gives every gradient its
+// parameter's strides, and amp's masters, master gradients and optimizer
+// moments are made with *_like, so a mismatch means a buffer made some other
+// way, and a hidden copy would double the op's memory traffic.
+inline void check_corresponding(
     const char* op,
     const char* name_a,
     at::TensorList a,
@@ -91,6 +116,12 @@ inline void check_same_numel(
         a[i].numel() == b[i].numel(), "apex_amp.", op, ": ", name_a, "[", i, "] has ",
         a[i].numel(), " elements but ", name_b, "[", i, "] has ", b[i].numel(),
         "; corresponding tensors must have the same size");
+    TORCH_CHECK(
+        same_memory_order(a[i], b[i]), "apex_amp.", op, ": ", name_b, "[", i,
+        "] has a different memory layout from ", name_a, "[", i, "] (sizes ", b[i].sizes(),
+        " and strides ", b[i].strides(), " vs ", a[i].sizes(), " and ", a[i].strides(),
+        "); corresponding tensors must share one: make ", name_b, "[", i, "] with torch.empty_like(",
+        name_a, "[", i, "]) or convert one with .to(memory_format=...)");
   }
 }
 
@@ -113,7 +144,8 @@ inline void check_no_partial_overlap(
 // The tensors of one list that an op writes in place must not share memory:
 // an element reached through two entries would be updated twice (unscaled
 // twice, two Adam steps), and the result would depend on the backend.
-// Sorting the (contiguous) byte ranges finds any overlap in O(n log n).
+// Every tensor is dense, so its bytes are one range; sorting the ranges
+// finds any overlap in O(n log n).
 inline void check_disjoint_within(const char* op, const char* name, at::TensorList list) {
   if (list.size() < 2) {
     return;

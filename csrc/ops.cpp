@@ -58,9 +58,11 @@ TORCH_LIBRARY(apex_amp, m) {
   // The dynamic loss-scale rule (amp_math.h: update_scale_math) applied once,
   // on the device that holds the scale. scale: one-element float32;
   // growth_tracker, hysteresis_tracker: one-element int32; found_inf as above.
+  // consecutive_hysteresis: the hysteresis refills after every clean step
+  // (apex), else only when the scale grows (Megatron, DeepSpeed's default).
   m.def(
       "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, "
       "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
       "float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
-      "float max_scale) -> ()");
+      "float max_scale, bool consecutive_hysteresis) -> ()");
 }

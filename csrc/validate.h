@@ -3,8 +3,11 @@
 // it runs on, and both backends then accept and reject the same inputs with
 // the same messages. Call before any work starts.
 //
-// The rules are those of the CPU launchers (csrc/cpu/*.cpp) as first written;
-// change them here and in one place only.
+// This file is the authority on what an op accepts. The fake kernels in
+// apex_amp/_fallback.py check the metadata part of these rules (lengths,
+// dtypes, devices, sizes, layouts) in their own words, as fake kernels must
+// for torch.compile; the tests check that both reject the same calls and
+// name the same argument, not that they use the same words.
 #pragma once
 
 #include "checks.h"
@@ -51,7 +54,7 @@ inline void validate_scale(
   check_tensor_list(op, "src", src, device);
   check_tensor_list(op, "dst", dst, device);
   check_disjoint_within(op, "dst", dst);
-  check_same_numel(op, "src", src, "dst", dst);
+  check_corresponding(op, "src", src, "dst", dst);
   check_no_partial_overlap(op, "src", src, "dst", dst);
   check_scalar_tensor(op, "scale", scale, device);
   check_scalar_tensor(op, "found_inf", found_inf, device);
@@ -68,7 +71,7 @@ inline void validate_axpby(
   check_tensor_list(op, "x", x, device);
   check_tensor_list(op, "y", y, device);
   check_disjoint_within(op, "y", y);
-  check_same_numel(op, "x", x, "y", y);
+  check_corresponding(op, "x", x, "y", y);
   check_no_partial_overlap(op, "x", x, "y", y);
   check_scalar_tensor(op, "a", a, device);
   check_scalar_tensor(op, "found_inf", found_inf, device);
@@ -162,14 +165,14 @@ inline void validate_fused_adam(
   check_disjoint_within(op, "exp_avg_sqs", exp_avg_sqs);
   check_disjoint_within(op, "model_params", model_params);
   check_adam_dtypes(params, grads, exp_avgs, exp_avg_sqs, model_params);
-  check_same_numel(op, "params", params, "grads", grads);
-  check_same_numel(op, "params", params, "exp_avgs", exp_avgs);
-  check_same_numel(op, "params", params, "exp_avg_sqs", exp_avg_sqs);
+  check_corresponding(op, "params", params, "grads", grads);
+  check_corresponding(op, "params", params, "exp_avgs", exp_avgs);
+  check_corresponding(op, "params", params, "exp_avg_sqs", exp_avg_sqs);
   check_adam_disjoint("params", params, "exp_avgs", exp_avgs);
   check_adam_disjoint("params", params, "exp_avg_sqs", exp_avg_sqs);
   check_adam_disjoint("exp_avgs", exp_avgs, "exp_avg_sqs", exp_avg_sqs);
   if (has_model_params) {
-    check_same_numel(op, "params", params, "model_params", model_params);
+    check_corresponding(op, "params", params, "model_params", model_params);
     // An fp32 model_params[i] may be params[i] itself (a redundant write).
     check_no_partial_overlap(op, "params", params, "model_params", model_params);
   }
@@ -221,9 +224,10 @@ inline void validate_update_scale(
   TORCH_CHECK(
       backoff_factor > 0.0 && backoff_factor < 1.0, "apex_amp.", op,
       ": backoff_factor must be in (0, 1), got ", backoff_factor);
+  // min_scale 0 and max_scale inf turn the floor and the cap off (apex's rule).
   TORCH_CHECK(
-      min_scale > 0.0 && min_scale <= max_scale, "apex_amp.", op,
-      ": need 0 < min_scale <= max_scale, got min_scale=", min_scale, " and max_scale=",
+      min_scale >= 0.0 && min_scale <= max_scale, "apex_amp.", op,
+      ": need 0 <= min_scale <= max_scale, got min_scale=", min_scale, " and max_scale=",
       max_scale);
 }
 

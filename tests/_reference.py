@@ -124,38 +124,63 @@ def adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, 
     param.sub_(cfg.lr * m_hat / (v_hat.sqrt() + cfg.eps))
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaleRule:
+    """The constants of the dynamic loss-scale rule (amp's defaults, apex's hysteresis refill)."""
+
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    consecutive_hysteresis: bool = True
+
+    def op_args(self) -> tuple:
+        """The update_scale_ schema's arguments after found_inf, in order."""
+        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+
 @dataclasses.dataclass
 class ScalerState:
-    """The dynamic loss-scale rule as plain Python numbers (fp32 rounding of
-    the scale applied where the device does its float arithmetic)."""
+    """The dynamic loss-scale rule in plain Python, written from its contract (csrc/ops.cpp) and from apex's
+    update_scale_hysteresis kernel, plus amp's floor and cap.
+
+    The scale is an fp32 value: a product of the scale and a factor is rounded once to fp32 (the
+    factor itself is not rounded first, as in apex and torch)."""
 
     scale: float
     growth_tracker: int = 0
     hysteresis_tracker: int = 1
 
-    def update(
-        self,
-        found_inf: bool,
-        growth_factor: float,
-        backoff_factor: float,
-        growth_interval: int,
-        hysteresis: int,
-        min_scale: float,
-        max_scale: float,
-    ) -> None:
-        fp32 = _round_fp32
+    def update(self, found_inf: bool, rule: ScaleRule) -> None:
         if found_inf:
             self.growth_tracker = 0
+            # apex lets its tracker run below zero; ours stops at 0, which backs off just the same.
             self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)
             if self.hysteresis_tracker == 0:
-                self.scale = max(fp32(self.scale * fp32(backoff_factor)), fp32(min_scale))
+                self.scale = max(_round_fp32(self.scale * rule.backoff_factor), _round_fp32(rule.min_scale))
             return
         self.growth_tracker += 1
-        if self.growth_tracker >= growth_interval:
+        grows = self.growth_tracker == rule.growth_interval
+        if grows:
             self.growth_tracker = 0
-            self.hysteresis_tracker = hysteresis
-            grown = fp32(self.scale * fp32(growth_factor))
-            self.scale = grown if grown <= fp32(max_scale) else max(self.scale, fp32(max_scale))
+            grown = _round_fp32(self.scale * rule.growth_factor)
+            if math.isfinite(grown):  # a growth to inf keeps the old scale
+                cap = _round_fp32(rule.max_scale)
+                self.scale = grown if grown <= cap else max(self.scale, cap)
+        if rule.consecutive_hysteresis or grows:
+            self.hysteresis_tracker = rule.hysteresis
+
+
+def scale_trajectory(found_infs: Sequence[bool], init_scale: float, rule: ScaleRule) -> list[float]:
+    """The scale after each step of a dynamic scaler that starts at ``init_scale`` with full hysteresis."""
+    state = ScalerState(init_scale, 0, rule.hysteresis)
+    trajectory = []
+    for found_inf in found_infs:
+        state.update(found_inf, rule)
+        trajectory.append(state.scale)
+    return trajectory
 
 
 def _round_fp32(value: float) -> float:

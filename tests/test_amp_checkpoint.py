@@ -180,8 +180,7 @@ def test_amp_state_dict_has_apex_keys_and_round_trips():
 @pytest.mark.parametrize(
     "corrupt, error, message",
     [
-        (lambda s: s.pop("loss_scaler0"), ValueError, r"has loss scalers \[\] but this run has \['loss_scaler0'\]"),
-        (lambda s: s.update(loss_scaler1=s["loss_scaler0"]), ValueError, "initialize with the num_losses"),
+        (lambda s: s.pop("loss_scaler0"), ValueError, r"amp state has no loss scalers \(this run has \['loss_scaler0'\]\)"),
         (lambda s: s["amp_config"].update(opt_level="O1"), ValueError, "saved with opt_level='O1'"),
         (lambda s: s["loss_scaler0"].update(loss_scale=-2.0), ValueError, "positive finite number"),
         (lambda s: s["loss_scaler0"].update(loss_scale=float("nan")), ValueError, "positive finite number"),

@@ -75,7 +75,7 @@ def test_string_booleans_are_accepted_as_in_apex():
     "level, overrides, message",
     [
         ("O1", dict(master_weights=True), "master_weights=True is not valid with O1"),
-        ("O1", dict(cast_model_type=torch.float16), "cast_model_type cannot be set with O1"),
+        ("O1", dict(cast_model_type=torch.float16), "cast_model_type=torch.float16 cannot be set with O1"),
         ("O2", dict(patch_torch_functions=True), "patch_torch_functions=True is only valid with O1"),
         ("O0", dict(patch_torch_functions=True), "patch_torch_functions=True is only valid with O1"),
         ("O2", dict(keep_batchnorm_fp32="yes"), "keep_batchnorm_fp32 must be True, False, None"),
@@ -86,7 +86,7 @@ def test_string_booleans_are_accepted_as_in_apex():
         ("O2", dict(loss_scale=float("inf")), "positive finite number"),
         ("O2", dict(half_dtype=torch.float32), "half_dtype must be torch.float16 or torch.bfloat16"),
         ("O2", dict(cast_model_type=torch.bfloat16), "contradicts half_dtype"),
-        ("O2", dict(cast_model_type=torch.int8), "cast_model_type must be None or one of"),
+        ("O2", dict(cast_model_type=torch.int8), r"cast_model_type must be None or False \(do not cast\) or one of"),
         ("O2", dict(num_losses=0), "num_losses must be an integer >= 1"),
         ("O2", dict(min_loss_scale=8.0, max_loss_scale=4.0), "need 0 < min_loss_scale <= max_loss_scale"),
         ("O2", dict(hysteresis=0), "hysteresis must be an integer >= 1"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import _reference as ref
 from apex_amp import amp
 from apex_amp.optimizers import FusedAdam
 
@@ -56,27 +57,6 @@ def snapshot(model, optimizer):
 
 def bitwise_equal(a, b) -> bool:
     return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
-
-
-def reference_scales(overflows, init, window, hysteresis=1, min_scale=1.0, max_scale=2.0**24):
-    """The dynamic-scale rule, written out in plain Python."""
-    scale, growth, left, out = init, 0, hysteresis, []
-    for overflow in overflows:
-        if overflow:
-            growth = 0
-            left = max(left - 1, 0)
-            if left <= 0:
-                scale = max(scale * 0.5, min_scale)
-        else:
-            growth += 1
-            if growth >= window:
-                growth, left = 0, hysteresis
-                if scale * 2 <= max_scale:
-                    scale = scale * 2
-                elif scale < max_scale:
-                    scale = max_scale
-        out.append(scale)
-    return out
 
 
 # ---- skips are exact ------------------------------------------------------------------
@@ -137,20 +117,31 @@ def test_static_levels_do_not_check_by_default():
 
 
 # ---- scale trajectory ---------------------------------------------------------------------
-@pytest.mark.parametrize("hysteresis", [1, 2])
+# Isolated overflows (steps 1, 3), a run of three (7-9), clean runs that grow the scale (window 3).
+OVERFLOWS = [False, True, False, True, False, False, False, True, True, True, False, False, False, False, False,
+             False, True, False]
+
+
+@pytest.mark.parametrize(("hysteresis", "consecutive"), [(1, True), (2, True), (2, False)])
 @pytest.mark.parametrize("kind", ["SGD", "FusedAdam"])
-def test_scale_trajectory_matches_reference(kind, hysteresis):
+def test_scale_trajectory_matches_reference(kind, hysteresis, consecutive):
     model = tiny_model()
     optimizer = make_optimizer(kind, model.parameters())
     amp.initialize(model, optimizer, opt_level="O2", verbosity=0, scale_window=3, hysteresis=hysteresis,
-                   max_loss_scale=2.0**24)
-    overflows = [False, True, False, False, False, False, True, True, True, False, False, False, False, False,
-                 False, True, False]
+                   consecutive_hysteresis=consecutive, max_loss_scale=2.0**24)
     scales = []
-    for step, overflow in enumerate(overflows):
+    for step, overflow in enumerate(OVERFLOWS):
         train_step(model, optimizer, step, inject=INF if overflow else None)
         scales.append(amp.loss_scale())
-    assert scales == reference_scales(overflows, 65536.0, 3, hysteresis)
+    rule = ref.ScaleRule(growth_interval=3, hysteresis=hysteresis, consecutive_hysteresis=consecutive)
+    assert scales == ref.scale_trajectory(OVERFLOWS, 65536.0, rule)
+
+
+def test_the_two_hysteresis_rules_differ_on_isolated_overflows():
+    # What makes the trajectory test above able to tell the rules apart.
+    apex, megatron = (ref.ScaleRule(growth_interval=3, hysteresis=2, consecutive_hysteresis=c) for c in (True, False))
+    assert ref.scale_trajectory(OVERFLOWS[:4], 65536.0, apex) == [65536.0] * 4
+    assert ref.scale_trajectory(OVERFLOWS[:4], 65536.0, megatron) == [65536.0] * 3 + [32768.0]
 
 
 def test_scale_never_drops_below_min_loss_scale():

@@ -85,7 +85,7 @@ IMPORTS = {
     "from apex.optimizers import FusedLAMB": ("ImportError", "timm.optim.Lamb"),
     "from apex.optimizers.fused_lamb import FusedLAMB": ("ModuleNotFoundError", "timm.optim.Lamb"),
     "from apex.optimizers import FusedAdagrad": ("ImportError", "torch.optim.Adagrad(..., fused=True)"),
-    "from apex.parallel.LARC import LARC": ("ImportError", "timm.optim.Lars"),
+    "from apex.parallel.LARC import LARC; import apex_amp; assert LARC is apex_amp.optimizers.LARC": (None, ""),
     "from apex.parallel import Reducer": ("ImportError", "no_sync()"),
     "import apex.parallel.multiproc": ("ModuleNotFoundError", "torchrun"),
     "from apex.amp import _amp_state": ("ImportError", "apex.amp.loss_scale("),

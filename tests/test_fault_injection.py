@@ -35,6 +35,7 @@ import pytest
 import torch
 from torch import nn
 
+import _reference as ref
 from apex_amp import amp
 from apex_amp.optimizers import FusedAdam
 
@@ -84,23 +85,11 @@ CONFIGS = [
 
 
 def reference_scales(overflows: list[bool], dynamic: bool, hysteresis: int) -> list[float]:
-    """The loss-scale rules written out in plain Python: the scale after each step."""
+    """The scale after each step: tests/_reference.py's rule with this file's constants."""
     if not dynamic:
         return [1.0] * len(overflows)
-    scale, clean_run, tolerance, trajectory = min(2.0**16, MAX_SCALE), 0, hysteresis, []
-    for overflow in overflows:
-        if overflow:
-            clean_run = 0
-            tolerance = max(tolerance - 1, 0)
-            if tolerance == 0:
-                scale = max(scale / 2, MIN_SCALE)
-        else:
-            clean_run += 1
-            if clean_run == WINDOW:
-                clean_run, tolerance = 0, hysteresis
-                scale = min(scale * 2, MAX_SCALE)
-        trajectory.append(scale)
-    return trajectory
+    rule = ref.ScaleRule(growth_interval=WINDOW, hysteresis=hysteresis, min_scale=MIN_SCALE, max_scale=MAX_SCALE)
+    return ref.scale_trajectory(overflows, min(2.0**16, MAX_SCALE), rule)
 
 
 @dataclasses.dataclass

@@ -11,10 +11,23 @@ import pytest
 import torch
 
 import _reference as ref
+from _errors import raises_naming
+
+CHANNELS_LAST = {"memory_format": torch.channels_last}
 
 
 def _mixed(seed, sizes=(5, 3, 2)):
     return ref.random_tensors(sizes, ref.FLOAT_DTYPES, seed=seed)
+
+
+def _layouts(seed):
+    """One tensor of each dense layout the ops accept besides contiguous, dtypes mixed."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(2, 3, 4, 5, generator=g).to(**CHANNELS_LAST),
+        torch.randn(2, 3, 2, 2, 3, generator=g).to(torch.bfloat16, memory_format=torch.channels_last_3d),
+        torch.randn(4, 3, 5, generator=g).to(torch.float16).permute(2, 0, 1),
+    ]
 
 
 def _adam_sample(model_copy: bool, found_inf: float, inv_scale: bool):
@@ -28,26 +41,47 @@ def _adam_sample(model_copy: bool, found_inf: float, inv_scale: bool):
     return args, kwargs
 
 
+def _adam_channels_last_sample():
+    """O2 over a channels_last conv weight: fp32 masters, moments and bf16 model copy all channels_last."""
+    g = torch.Generator().manual_seed(73)
+    params = [torch.randn(8, 3, 3, 3, generator=g).to(**CHANNELS_LAST), torch.randn(8, generator=g)]
+    grads = [p.to(torch.bfloat16) for p in params]
+    moments = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    model_params = [p.to(torch.bfloat16) for p in params]
+    hyper = [1e-3, 0.9, 0.999, 1e-8, 0.01, True, True]
+    args = [params, grads, *moments, model_params, torch.zeros(1), *hyper]
+    return args, {"inv_scale": ref.flag(0.5), "found_inf": ref.flag(0.0)}
+
+
 def _samples():
     """(op name, id, args, kwargs): small representative inputs for every op."""
     scale_state = (torch.full((1,), 1024.0), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     yield "check_finite", "mixed", [_mixed(60), ref.flag(0.0)], {}
     yield "check_finite", "nonfinite", [[torch.tensor([1.0, float("nan")])], ref.flag(0.0)], {}
+    yield "check_finite", "layouts", [_layouts(67), ref.flag(0.0)], {}
     yield "unscale_", "mixed", [_mixed(61), ref.flag(0.0), ref.flag(0.125)], {}
+    yield "unscale_", "layouts", [_layouts(68), ref.flag(0.0), ref.flag(0.125)], {}
     fp16_dst = [torch.empty(n, dtype=torch.float16) for n in (5, 3, 2)]
     yield "scale_", "to-fp16", [_mixed(62), fp16_dst, ref.flag(2.0), ref.flag(0.0)], {}
+    src = _layouts(69)
+    yield "scale_", "layouts", [src, [torch.empty_like(t, dtype=torch.float32) for t in src], ref.flag(2.0),
+                                ref.flag(0.0)], {}
     yield "axpby_", "mixed", [_mixed(63), _mixed(64), ref.flag(0.5), 2.0, ref.flag(0.0)], {}
+    yield "axpby_", "layouts", [_layouts(70), _layouts(71), ref.flag(0.5), 2.0, ref.flag(0.0)], {}
     yield "l2norm", "per-tensor", [_mixed(65), True], {}
     yield "l2norm", "total-only", [_mixed(66), False], {}
+    yield "l2norm", "layouts", [_layouts(72), True], {}
     for model_copy, found_inf, inv_scale, name in (
         (True, 0.0, True, "master-weights"),
         (False, 0.0, False, "plain"),
         (True, 1.0, True, "skipped"),
     ):
         yield "fused_adam_", name, *_adam_sample(model_copy, found_inf, inv_scale)
-    for found_inf in (0.0, 1.0):
-        args = [t.clone() for t in scale_state] + [ref.flag(found_inf), 2.0, 0.5, 1, 1, 1.0, 2.0**24]
-        yield "update_scale_", f"found_inf={found_inf:g}", args, {}
+    yield "fused_adam_", "channels_last-masters", *_adam_channels_last_sample()
+    for found_inf, consecutive in ((0.0, True), (1.0, True), (0.0, False)):
+        rule = ref.ScaleRule(growth_interval=1, consecutive_hysteresis=consecutive)
+        args = [t.clone() for t in scale_state] + [ref.flag(found_inf), *rule.op_args()]
+        yield "update_scale_", f"found_inf={found_inf:g}-consecutive={consecutive}", args, {}
 
 
 SAMPLES = list(_samples())
@@ -69,15 +103,38 @@ def test_fake_l2norm_describes_the_outputs_on_meta(amp_ops):
     assert no_per_tensor.shape == (0,)
 
 
-def test_in_place_ops_accept_meta_tensors(amp_ops):
+def _metadata(tensors):
+    return [(t.shape, t.stride(), t.dtype, t.device.type) for t in tensors]
+
+
+def test_fake_kernels_accept_meta_tensors_and_check_their_metadata(amp_ops):
+    # Meta tensors run the fake kernels. The in-place ops' fakes return nothing and change no metadata...
     meta = {"device": "meta"}
-    found_inf = torch.zeros(1, **meta)
-    grads = [torch.empty(9, **meta), torch.empty(4, dtype=torch.float16, **meta)]
-    amp_ops.unscale_(grads, found_inf, torch.ones(1, **meta))
-    step = torch.zeros(1, **meta)
+    found_inf, one = torch.zeros(1, **meta), torch.ones(1, **meta)
+    grads = [torch.empty(2, 3, 4, 5, **meta, **CHANNELS_LAST), torch.empty(4, dtype=torch.float16, **meta)]
     params = [torch.empty_like(g, dtype=torch.float32) for g in grads]
-    moments = [p.clone() for p in params], [p.clone() for p in params]
-    amp_ops.fused_adam_(params, grads, *moments, [], step, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    moments = [torch.empty_like(p) for p in params], [torch.empty_like(p) for p in params]
+    step = torch.zeros(1, **meta)
+    before = _metadata(grads + params + moments[0] + moments[1] + [found_inf, step])
+    hyper = (1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    assert amp_ops.check_finite(grads, found_inf) is None
+    assert amp_ops.unscale_(grads, found_inf, one) is None
+    assert amp_ops.scale_(grads, params, one, found_inf) is None
+    assert amp_ops.axpby_(grads, params, one, 1.0, found_inf) is None
+    assert amp_ops.fused_adam_(params, grads, *moments, [], step, *hyper) is None
+    assert _metadata(grads + params + moments[0] + moments[1] + [found_inf, step]) == before
+    # ...and they are ours, checking metadata as the kernels do (torch's default fake for an
+    # op that returns nothing would accept anything).
+    with raises_naming("unscale_", "grads[1]"):
+        amp_ops.unscale_([grads[0], torch.empty(4, dtype=torch.float64, **meta)], found_inf, one)
+    with raises_naming("scale_", "dst[0]"):
+        amp_ops.scale_(grads[:1], [torch.empty(2, 3, 4, 5, **meta)], one, found_inf)
+    with raises_naming("fused_adam_", "exp_avgs[0]"):
+        contiguous_moment = [torch.empty(2, 3, 4, 5, **meta), moments[0][1]]
+        amp_ops.fused_adam_(params, grads, contiguous_moment, moments[1], [], step, *hyper)
+    with raises_naming("update_scale_", "hysteresis_tracker"):
+        amp_ops.update_scale_(one, torch.zeros(1, dtype=torch.int32, **meta), torch.zeros(1, **meta), found_inf,
+                              *ref.ScaleRule().op_args())
 
 
 def test_ops_compile_into_one_graph_with_no_graph_breaks(amp_ops):

@@ -1,9 +1,11 @@
-"""Bad arguments raise RuntimeError with a message naming the op, the argument and the fix.
+"""Bad arguments raise RuntimeError with a message naming the op and the argument.
 
-Both backends must say the same words (csrc/validate.h and apex_amp/_validate.py),
-so every case checks the message text. Device mismatches use the 'meta'
-device as the "other" device: a meta tensor in the arguments routes the call
-to the fake kernel, which validates like the real ones.
+The compiled ops (csrc/validate.h) and the fake kernels and fallback
+(apex_amp/_fallback.py) word their messages independently; each case checks
+the error type, the op and the argument named (tests/_errors.py). Device
+mismatches use the 'meta' device as the "other" device: a meta tensor in the
+arguments routes the call to the fake kernel, which checks metadata like the
+real ones.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 import _reference as ref
+from _errors import raises_naming
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -59,6 +62,7 @@ def _update_scale(amp_ops, scale=None, growth_tracker=None, hysteresis_tracker=N
         "hysteresis": 1,
         "min_scale": 1.0,
         "max_scale": 2.0**24,
+        "consecutive_hysteresis": True,
     }
     args.update(rule)
     amp_ops.update_scale_(
@@ -70,147 +74,133 @@ def _update_scale(amp_ops, scale=None, growth_tracker=None, hysteresis_tracker=N
     )
 
 
-# (id, call(amp_ops), the message after "apex_amp.")
+def _strided(*shape):
+    """A view with gaps between its elements: not dense."""
+    return _t(*shape[:-1], 2 * shape[-1])[..., ::2]
+
+
+def _channels_last(n=2, c=3, h=2, w=2, dtype=F32):
+    return _t(n, c, h, w, dtype=dtype).to(memory_format=torch.channels_last)
+
+
+# (id, call(amp_ops), the op, the argument its error must name)
 CASES = [
     # check_finite
     ("check_finite-float64", lambda o: o.check_finite([_t(3), _t(3, dtype=torch.float64)], _found_inf()),
-     "check_finite: tensors[1] has dtype Double; expected one of Float, Half, BFloat16"),
+     "check_finite", "tensors[1]"),
     ("check_finite-int", lambda o: o.check_finite([_t(3, dtype=torch.int32)], _found_inf()),
-     "check_finite: tensors[0] has dtype Int; expected one of Float, Half, BFloat16"),
-    ("check_finite-non-contiguous", lambda o: o.check_finite([_t(3), _t(4, 4).t()], _found_inf()),
-     "check_finite: tensors[1] must be contiguous; call .contiguous() on it"),
+     "check_finite", "tensors[0]"),
+    ("check_finite-strided", lambda o: o.check_finite([_t(3), _strided(4, 4)], _found_inf()),
+     "check_finite", "tensors[1]"),
     ("check_finite-expanded", lambda o: o.check_finite([_t(1).expand(5)], _found_inf()),
-     "check_finite: tensors[0] must be contiguous"),
+     "check_finite", "tensors[0]"),
     ("check_finite-found_inf-dtype", lambda o: o.check_finite([_t(3)], _found_inf(dtype=torch.float64)),
-     "check_finite: found_inf must be Float, got Double"),
+     "check_finite", "found_inf"),
     ("check_finite-found_inf-numel", lambda o: o.check_finite([_t(3)], torch.zeros(2)),
-     "check_finite: found_inf must hold exactly one element, got 2"),
+     "check_finite", "found_inf"),
     ("check_finite-device", lambda o: o.check_finite([_t(3), _t(3, device="meta")], _found_inf()),
-     "check_finite: tensors[1] is on meta but the op runs on cpu; move every tensor to one device"),
+     "check_finite", "tensors[1]"),
     ("check_finite-found_inf-device", lambda o: o.check_finite([_t(3)], _found_inf(device="meta")),
-     "check_finite: tensors[0] is on cpu but the op runs on meta"),
+     "check_finite", "tensors[0]"),
     # unscale_
     ("unscale-float64", lambda o: o.unscale_([_t(3), _t(2), _t(2, dtype=torch.float64)], _found_inf(), _t(1)),
-     "unscale_: grads[2] has dtype Double"),
-    ("unscale-inv_scale-numel", lambda o: o.unscale_([_t(3)], _found_inf(), torch.ones(0)),
-     "unscale_: inv_scale must hold exactly one element, got 0"),
-    ("unscale-inv_scale-dtype", lambda o: o.unscale_([_t(3)], _found_inf(), _t(1, dtype=F16)),
-     "unscale_: inv_scale must be Float, got Half"),
+     "unscale_", "grads[2]"),
+    ("unscale-inv_scale-numel", lambda o: o.unscale_([_t(3)], _found_inf(), torch.ones(0)), "unscale_", "inv_scale"),
+    ("unscale-inv_scale-dtype", lambda o: o.unscale_([_t(3)], _found_inf(), _t(1, dtype=F16)), "unscale_", "inv_scale"),
     ("unscale-inv_scale-device", lambda o: o.unscale_([_t(3)], _found_inf(), _t(1, device="meta")),
-     "unscale_: inv_scale is on meta but the op runs on cpu; keep it on the same device as the tensors"),
+     "unscale_", "inv_scale"),
     ("unscale-grads-device", lambda o: o.unscale_([_t(3), _t(3, device="meta")], _found_inf(), _t(1)),
-     "unscale_: grads[1] is on meta but the op runs on cpu"),
-    ("unscale-non-contiguous", lambda o: o.unscale_([_t(2, 3)[:, :2]], _found_inf(), _t(1)),
-     "unscale_: grads[0] must be contiguous"),
+     "unscale_", "grads[1]"),
+    ("unscale-sliced-with-gaps", lambda o: o.unscale_([_t(2, 3)[:, :2]], _found_inf(), _t(1)), "unscale_", "grads[0]"),
     # scale_
-    ("scale-length", lambda o: o.scale_([_t(3), _t(3)], [_t(3)], _t(1), _found_inf()),
-     "scale_: src and dst must be lists of the same length, got 2 and 1"),
-    ("scale-numel", lambda o: o.scale_([_t(3), _t(3)], [_t(3), _t(4)], _t(1), _found_inf()),
-     "scale_: src[1] has 3 elements but dst[1] has 4; corresponding tensors must have the same size"),
+    ("scale-length", lambda o: o.scale_([_t(3), _t(3)], [_t(3)], _t(1), _found_inf()), "scale_", "dst"),
+    ("scale-numel", lambda o: o.scale_([_t(3), _t(3)], [_t(3), _t(4)], _t(1), _found_inf()), "scale_", "dst[1]"),
     ("scale-overlap", lambda o: o.scale_(*_overlapping("src", "dst").values(), _t(1), _found_inf()),
-     "scale_: src[0] and dst[0] partially overlap in memory; pass the same tensor or separate ones"),
+     "scale_", "dst[0]"),
     ("scale-dst-dtype", lambda o: o.scale_([_t(3)], [_t(3, dtype=torch.int64)], _t(1), _found_inf()),
-     "scale_: dst[0] has dtype Long; expected one of Float, Half, BFloat16"),
-    ("scale-dst-non-contiguous", lambda o: o.scale_([_t(6)], [_t(2, 3).t()], _t(1), _found_inf()),
-     "scale_: dst[0] must be contiguous"),
-    ("scale-scale-dtype", lambda o: o.scale_([_t(3)], [_t(3)], _t(1, dtype=BF16), _found_inf()),
-     "scale_: scale must be Float, got BFloat16"),
+     "scale_", "dst[0]"),
+    ("scale-dst-transposed-src-flat", lambda o: o.scale_([_t(6)], [_t(2, 3).t()], _t(1), _found_inf()),
+     "scale_", "dst[0]"),
+    ("scale-dst-channels_last-src-contiguous",
+     lambda o: o.scale_([_t(2, 3, 2, 2)], [_channels_last(dtype=F16)], _t(1), _found_inf()), "scale_", "dst[0]"),
+    ("scale-scale-dtype", lambda o: o.scale_([_t(3)], [_t(3)], _t(1, dtype=BF16), _found_inf()), "scale_", "scale"),
     # axpby_
-    ("axpby-length", lambda o: o.axpby_([_t(3)], [_t(3), _t(3)], _t(1), 1.0, _found_inf()),
-     "axpby_: x and y must be lists of the same length, got 1 and 2"),
-    ("axpby-numel", lambda o: o.axpby_([_t(5)], [_t(3)], _t(1), 1.0, _found_inf()),
-     "axpby_: x[0] has 5 elements but y[0] has 3"),
+    ("axpby-length", lambda o: o.axpby_([_t(3)], [_t(3), _t(3)], _t(1), 1.0, _found_inf()), "axpby_", "y"),
+    ("axpby-numel", lambda o: o.axpby_([_t(5)], [_t(3)], _t(1), 1.0, _found_inf()), "axpby_", "y[0]"),
     ("axpby-y-int", lambda o: o.axpby_([_t(3)], [_t(3, dtype=torch.int32)], _t(1), 1.0, _found_inf()),
-     "axpby_: y[0] has dtype Int"),
-    ("axpby-a-numel", lambda o: o.axpby_([_t(3)], [_t(3)], _t(2), 1.0, _found_inf()),
-     "axpby_: a must hold exactly one element, got 2"),
+     "axpby_", "y[0]"),
+    ("axpby-y-permuted-x-contiguous",
+     lambda o: o.axpby_([_t(2, 3, 4)], [_t(4, 3, 2).permute(2, 1, 0)], _t(1), 1.0, _found_inf()), "axpby_", "y[0]"),
+    ("axpby-a-numel", lambda o: o.axpby_([_t(3)], [_t(3)], _t(2), 1.0, _found_inf()), "axpby_", "a"),
     ("axpby-found_inf-int", lambda o: o.axpby_([_t(3)], [_t(3)], _t(1), 1.0, _found_inf(dtype=torch.int32)),
-     "axpby_: found_inf must be Float, got Int"),
+     "axpby_", "found_inf"),
     # l2norm
-    ("l2norm-float64", lambda o: o.l2norm([_t(3), _t(3, dtype=torch.float64)], True),
-     "l2norm: tensors[1] has dtype Double"),
-    ("l2norm-device", lambda o: o.l2norm([_t(3), _t(3, device="meta")], False),
-     "l2norm: tensors[1] is on meta but the op runs on cpu"),
-    ("l2norm-non-contiguous", lambda o: o.l2norm([_t(3, 3).t()], False),
-     "l2norm: tensors[0] must be contiguous"),
+    ("l2norm-float64", lambda o: o.l2norm([_t(3), _t(3, dtype=torch.float64)], True), "l2norm", "tensors[1]"),
+    ("l2norm-device", lambda o: o.l2norm([_t(3), _t(3, device="meta")], False), "l2norm", "tensors[1]"),
+    ("l2norm-strided", lambda o: o.l2norm([_strided(3, 3)], False), "l2norm", "tensors[0]"),
     # fused_adam_
-    ("adam-grads-length", lambda o: _adam(o, grads=[_t(4)]),
-     "fused_adam_: params and grads must be lists of the same length, got 2 and 1"),
-    ("adam-exp_avgs-length", lambda o: _adam(o, exp_avgs=[_t(4)]),
-     "fused_adam_: params and exp_avgs must be lists of the same length, got 2 and 1"),
-    ("adam-model_params-length", lambda o: _adam(o, model_params=[_t(4, dtype=F16)]),
-     "fused_adam_: params and model_params must be lists of the same length, got 2 and 1"),
-    ("adam-grads-float64", lambda o: _adam(o, grads=[_t(4), _t(3, dtype=torch.float64)]),
-     "fused_adam_: grads[1] has dtype Double"),
-    ("adam-grads-numel", lambda o: _adam(o, grads=[_t(4), _t(5)]),
-     "fused_adam_: params[1] has 3 elements but grads[1] has 5"),
-    ("adam-moment-dtype", lambda o: _adam(o, exp_avgs=[_t(4, dtype=F16), _t(3)]),
-     "fused_adam_: exp_avgs[0] has dtype Half; expected Float, the dtype of params[0]"),
+    ("adam-grads-length", lambda o: _adam(o, grads=[_t(4)]), "fused_adam_", "grads"),
+    ("adam-exp_avgs-length", lambda o: _adam(o, exp_avgs=[_t(4)]), "fused_adam_", "exp_avgs"),
+    ("adam-model_params-length", lambda o: _adam(o, model_params=[_t(4, dtype=F16)]), "fused_adam_", "model_params"),
+    ("adam-grads-float64", lambda o: _adam(o, grads=[_t(4), _t(3, dtype=torch.float64)]), "fused_adam_", "grads[1]"),
+    ("adam-grads-numel", lambda o: _adam(o, grads=[_t(4), _t(5)]), "fused_adam_", "grads[1]"),
+    ("adam-moment-dtype", lambda o: _adam(o, exp_avgs=[_t(4, dtype=F16), _t(3)]), "fused_adam_", "exp_avgs[0]"),
     ("adam-moment-sq-dtype", lambda o: _adam(o, exp_avg_sqs=[_t(4), _t(3, dtype=BF16)]),
-     "fused_adam_: exp_avg_sqs[1] has dtype BFloat16; expected Float, the dtype of params[1]"),
+     "fused_adam_", "exp_avg_sqs[1]"),
     ("adam-low-precision-grad-dtype", lambda o: _adam(o, params=[_t(4, dtype=BF16)], grads=[_t(4, dtype=F16)]),
-     "fused_adam_: grads[0] has dtype Half but params[0] is BFloat16; fp16/bf16 params need grads of the same dtype"),
+     "fused_adam_", "grads[0]"),
     ("adam-low-precision-model-copy",
-     lambda o: _adam(o, params=[_t(4, dtype=F16)], model_params=[_t(4, dtype=F16)]),
-     "fused_adam_: model_params[0] was given but params[0] is Half; a model copy is written only from fp32 master "
-     "params"),
+     lambda o: _adam(o, params=[_t(4, dtype=F16)], model_params=[_t(4, dtype=F16)]), "fused_adam_", "model_params[0]"),
     ("adam-model_params-int", lambda o: _adam(o, model_params=[_t(4, dtype=F16), _t(3, dtype=torch.int16)]),
-     "fused_adam_: model_params[1] has dtype Short"),
-    ("adam-grads-non-contiguous", lambda o: _adam(o, params=[_t(6)], grads=[_t(2, 3).t()]),
-     "fused_adam_: grads[0] must be contiguous"),
-    ("adam-grads-device", lambda o: _adam(o, grads=[_t(4), _t(3, device="meta")]),
-     "fused_adam_: grads[1] is on meta but the op runs on cpu"),
-    ("adam-step-dtype", lambda o: _adam(o, step=torch.zeros(1, dtype=torch.int64)),
-     "fused_adam_: step must be Float, got Long"),
-    ("adam-step-numel", lambda o: _adam(o, step=torch.zeros(2)),
-     "fused_adam_: step must hold exactly one element, got 2"),
-    ("adam-found_inf-dtype", lambda o: _adam(o, found_inf=torch.zeros(1, dtype=torch.bool)),
-     "fused_adam_: found_inf must be Float, got Bool"),
-    ("adam-inv_scale-numel", lambda o: _adam(o, inv_scale=torch.ones(3)),
-     "fused_adam_: inv_scale must hold exactly one element, got 3"),
-    ("adam-lr", lambda o: _adam(o, lr=-1.0), "fused_adam_: lr must be >= 0, got -1"),
-    ("adam-lr-nan", lambda o: _adam(o, lr=float("nan")), "fused_adam_: lr must be >= 0, got nan"),
-    ("adam-eps", lambda o: _adam(o, eps=-1e-8), "fused_adam_: eps must be >= 0, got -1e-08"),
-    ("adam-beta1", lambda o: _adam(o, beta1=1.0), "fused_adam_: beta1 must be in [0, 1), got 1"),
-    ("adam-beta2", lambda o: _adam(o, beta2=-0.5), "fused_adam_: beta2 must be in [0, 1), got -0.5"),
-    ("adam-weight_decay", lambda o: _adam(o, weight_decay=-0.1),
-     "fused_adam_: weight_decay must be >= 0, got -0.1"),
+     "fused_adam_", "model_params[1]"),
+    ("adam-grads-transposed-params-flat", lambda o: _adam(o, params=[_t(6)], grads=[_t(2, 3).t()]),
+     "fused_adam_", "grads[0]"),
+    ("adam-exp_avgs-contiguous-params-channels_last",
+     lambda o: _adam(o, params=[_channels_last()], exp_avgs=[torch.zeros(2, 3, 2, 2)]), "fused_adam_", "exp_avgs[0]"),
+    ("adam-model_params-channels_last-params-contiguous",
+     lambda o: _adam(o, params=[_t(2, 3, 2, 2)], model_params=[_channels_last(dtype=BF16)]),
+     "fused_adam_", "model_params[0]"),
+    ("adam-grads-device", lambda o: _adam(o, grads=[_t(4), _t(3, device="meta")]), "fused_adam_", "grads[1]"),
+    ("adam-step-dtype", lambda o: _adam(o, step=torch.zeros(1, dtype=torch.int64)), "fused_adam_", "step"),
+    ("adam-step-numel", lambda o: _adam(o, step=torch.zeros(2)), "fused_adam_", "step"),
+    ("adam-found_inf-dtype", lambda o: _adam(o, found_inf=torch.zeros(1, dtype=torch.bool)), "fused_adam_", "found_inf"),
+    ("adam-inv_scale-numel", lambda o: _adam(o, inv_scale=torch.ones(3)), "fused_adam_", "inv_scale"),
+    ("adam-lr", lambda o: _adam(o, lr=-1.0), "fused_adam_", "lr"),
+    ("adam-lr-nan", lambda o: _adam(o, lr=float("nan")), "fused_adam_", "lr"),
+    ("adam-eps", lambda o: _adam(o, eps=-1e-8), "fused_adam_", "eps"),
+    ("adam-beta1", lambda o: _adam(o, beta1=1.0), "fused_adam_", "beta1"),
+    ("adam-beta2", lambda o: _adam(o, beta2=-0.5), "fused_adam_", "beta2"),
+    ("adam-weight_decay", lambda o: _adam(o, weight_decay=-0.1), "fused_adam_", "weight_decay"),
     ("adam-moment-overlaps-param", lambda o: _adam(o, **_overlapping("params", "exp_avgs")),
-     "fused_adam_: params[0] and exp_avgs[0] share memory; each parameter needs its own moment buffers"),
+     "fused_adam_", "exp_avgs[0]"),
     ("adam-moments-are-one-tensor", lambda o: _adam(o, **_same_tensors("exp_avgs", "exp_avg_sqs")),
-     "fused_adam_: exp_avgs[0] and exp_avg_sqs[0] share memory"),
+     "fused_adam_", "exp_avg_sqs[0]"),
     ("adam-model-copy-overlap", lambda o: _adam(o, **_overlapping("params", "model_params")),
-     "fused_adam_: params[0] and model_params[0] partially overlap in memory"),
+     "fused_adam_", "model_params[0]"),
     # update_scale_
     ("update_scale-scale-dtype", lambda o: _update_scale(o, scale=torch.ones(1, dtype=torch.float64)),
-     "update_scale_: scale must be Float, got Double"),
+     "update_scale_", "scale"),
     ("update_scale-growth_tracker-dtype", lambda o: _update_scale(o, growth_tracker=torch.zeros(1)),
-     "update_scale_: growth_tracker must be Int, got Float"),
+     "update_scale_", "growth_tracker"),
     ("update_scale-hysteresis_tracker-dtype",
      lambda o: _update_scale(o, hysteresis_tracker=torch.ones(1, dtype=torch.int64)),
-     "update_scale_: hysteresis_tracker must be Int, got Long"),
-    ("update_scale-found_inf-numel", lambda o: _update_scale(o, found_inf=torch.zeros(2)),
-     "update_scale_: found_inf must hold exactly one element, got 2"),
+     "update_scale_", "hysteresis_tracker"),
+    ("update_scale-found_inf-numel", lambda o: _update_scale(o, found_inf=torch.zeros(2)), "update_scale_", "found_inf"),
     ("update_scale-found_inf-device", lambda o: _update_scale(o, found_inf=torch.zeros(1, device="meta")),
-     "update_scale_: found_inf is on meta but the op runs on cpu"),
-    ("update_scale-growth_interval", lambda o: _update_scale(o, growth_interval=0),
-     "update_scale_: growth_interval must be an integer in [1, 2^31 - 1], got 0"),
-    ("update_scale-hysteresis", lambda o: _update_scale(o, hysteresis=0),
-     "update_scale_: hysteresis must be an integer in [1, 2^31 - 1], got 0"),
-    ("update_scale-growth_factor", lambda o: _update_scale(o, growth_factor=0.5),
-     "update_scale_: growth_factor must be >= 1, got 0.5"),
-    ("update_scale-backoff_factor", lambda o: _update_scale(o, backoff_factor=1.0),
-     "update_scale_: backoff_factor must be in (0, 1), got 1"),
-    ("update_scale-min_scale", lambda o: _update_scale(o, min_scale=0.0),
-     "update_scale_: need 0 < min_scale <= max_scale, got min_scale=0 and max_scale=1.67772e+07"),
+     "update_scale_", "found_inf"),
+    ("update_scale-growth_interval", lambda o: _update_scale(o, growth_interval=0), "update_scale_", "growth_interval"),
+    ("update_scale-hysteresis", lambda o: _update_scale(o, hysteresis=0), "update_scale_", "hysteresis"),
+    ("update_scale-growth_factor", lambda o: _update_scale(o, growth_factor=0.5), "update_scale_", "growth_factor"),
+    ("update_scale-backoff_factor", lambda o: _update_scale(o, backoff_factor=1.0), "update_scale_", "backoff_factor"),
+    ("update_scale-min_scale-negative", lambda o: _update_scale(o, min_scale=-1.0), "update_scale_", "min_scale"),
     ("update_scale-min-above-max", lambda o: _update_scale(o, min_scale=4.0, max_scale=2.0),
-     "update_scale_: need 0 < min_scale <= max_scale, got min_scale=4 and max_scale=2"),
+     "update_scale_", "min_scale"),
 ]
 
 
-@pytest.mark.parametrize(("call", "message"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
-def test_bad_argument_raises_runtime_error_naming_it(amp_ops, call, message):
-    with pytest.raises(RuntimeError, match=re.escape(f"apex_amp.{message}")):
+@pytest.mark.parametrize(("call", "op", "argument"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_argument_raises_runtime_error_naming_it(amp_ops, call, op, argument):
+    with raises_naming(op, argument):
         call(amp_ops)
 
 

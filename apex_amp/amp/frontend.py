@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -13,7 +14,7 @@ from .diagnostics import overflow
 from .distributed import check_sharded_models, distributed_ready, note_ddp_wrappers, overflow_group
 from .fsdp2 import refuse_late_sharding
 from .master_weights import attach_masters
-from .model_casting import add_cast_hooks, add_master_state_dict_hooks, cast_model_
+from .model_casting import add_cast_hooks, add_fp32_state_dict_hooks, cast_model_
 from .._dtypes import HALF_DTYPES
 from .opt_levels import parse_flag, resolve_properties
 from .overflow_log import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS
@@ -80,6 +81,37 @@ def _check_each_param_in_one_optimizer(models: list[nn.Module], optimizers: list
             owner[param] = where
 
 
+HALF_DTYPE_VARIABLE = "APEX_AMP_HALF_DTYPE"
+_HALF_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _half_dtype(half_dtype: Optional[torch.dtype]) -> torch.dtype:
+    # An explicit argument wins over the environment; the environment over apex's fp16.
+    if half_dtype is not None:
+        return half_dtype
+    name = os.environ.get(HALF_DTYPE_VARIABLE)
+    if name is None or name == "":
+        return torch.float16
+    if name.strip().lower() not in _HALF_DTYPE_NAMES:
+        raise ValueError(
+            f"{HALF_DTYPE_VARIABLE}={name!r} is not a half dtype; set it to one of {sorted(_HALF_DTYPE_NAMES)} "
+            "(or unset it for float16), or pass half_dtype= to amp.initialize"
+        )
+    return _HALF_DTYPE_NAMES[name.strip().lower()]
+
+
+def _announce(message: str) -> None:
+    # apex printed the chosen opt level and properties (on rank 0). Here it is an INFO record
+    # of the "apex_amp" logger; when the program has configured no logging at all, Python's
+    # own last-resort handler (stderr) shows it, as Python does for warnings.
+    if _world_size() > 1 and torch.distributed.get_rank() != 0:
+        return
+    if logger.hasHandlers():
+        logger.info("%s", message)
+    elif logger.getEffectiveLevel() <= logging.WARNING:  # not raised above the default by the user
+        logging.lastResort.handle(logger.makeRecord(logger.name, logging.INFO, __file__, 0, "%s", (message,), None))
+
+
 def _world_size() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
@@ -112,12 +144,13 @@ def initialize(
     verbosity: int = 1,
     min_loss_scale: Optional[float] = None,
     max_loss_scale: float = 2.0**24,
-    half_dtype: torch.dtype = torch.float16,
+    half_dtype: Optional[torch.dtype] = None,
     *,
     skip_nonfinite: bool = False,
     allow_banned: bool = False,
     scale_window: int = 2000,
     hysteresis: int = 1,
+    consecutive_hysteresis: bool = True,
     sync_overflow: Any = None,
     overflow_report: bool = False,
     collapse_warn_steps: Optional[int] = DEFAULT_COLLAPSE_WARN_STEPS,
@@ -128,7 +161,8 @@ def initialize(
     Args:
         models: a ``torch.nn.Module`` or a list of them (not yet wrapped in DDP/DataParallel;
             already sharded by FSDP2's ``fully_shard``, whose fp32 shards are then the masters).
-        optimizers: a ``torch.optim.Optimizer``, a list of them, or None.
+        optimizers: a ``torch.optim.Optimizer`` (or a wrapper holding one in ``.optim``, such as
+            :class:`apex_amp.optimizers.LARC`), a list of them, or None.
         enabled: False returns everything untouched and makes ``scale_loss`` a pass-through.
         opt_level: "O0" (fp32), "O1" (per-op casts), "O2" (half model, fp32 masters), "O3" (half everything).
         cast_model_type: override of the dtype the model is cast to (O0/O2/O3).
@@ -142,12 +176,18 @@ def initialize(
         min_loss_scale: floor of a dynamic scale (default 1.0); a normal float32 (not 0, not a denormal).
         max_loss_scale: cap of a dynamic scale.
         half_dtype: torch.float16 or torch.bfloat16 for every level; with bf16 the
-            default scale is a static 1.0, with the gradient checks kept on.
+            default scale is a static 1.0, with the gradient checks kept on. None (the
+            default): the environment variable ``APEX_AMP_HALF_DTYPE`` ("bfloat16" or
+            "float16") if set, else torch.float16 (apex's half), so third-party apex code
+            trains in bf16 without an edit.
         skip_nonfinite: check gradients and skip non-finite steps at every level,
             static ones included (O0/O3 do not check by default, as in apex).
         allow_banned: let O1 run functions it bans in half precision (binary_cross_entropy).
         scale_window: clean steps before a dynamic scale doubles (apex: 2000).
         hysteresis: overflows tolerated before a dynamic scale backs off (1: at once).
+        consecutive_hysteresis: True (apex's rule): only overflows in a row spend the hysteresis,
+            which refills after every clean step; False (Megatron's, DeepSpeed's default): it
+            refills only when the scale grows. The same with hysteresis=1.
         sync_overflow: True (or a ProcessGroup) MAX-reduces each pass's found-inf flag over the
             default (or that) group, for gradients DDP does not reduce (parameters outside the
             wrapper or ignored by it); plain DDP needs no sync. None: on only for FSDP models.
@@ -202,11 +242,12 @@ def initialize(
         return result()
 
     properties = resolve_properties(
-        opt_level, half_dtype=half_dtype, cast_model_type=cast_model_type,
+        opt_level, half_dtype=_half_dtype(half_dtype), cast_model_type=cast_model_type,
         patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=master_weights, loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
         num_losses=num_losses, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
-        scale_window=scale_window, hysteresis=hysteresis, skip_nonfinite=skip_nonfinite,
+        scale_window=scale_window, hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis,
+        skip_nonfinite=skip_nonfinite,
         allow_banned=allow_banned, collapse_warn_steps=collapse_warn_steps,
         collapse_raise_steps=collapse_raise_steps,
     )
@@ -221,7 +262,7 @@ def initialize(
     # FSDP: each rank checks only its gradient shard, so the ranks must agree unless told otherwise.
     sync_group = sharded_group if sync_overflow is None else overflow_group(sync_overflow)
     if verbosity >= 1:
-        logger.info("%s", properties.describe())
+        _announce(properties.describe())
 
     # Masters start from the user's exact fp32 weights, not from their half rounding.
     # FSDP2's fp32 shards are not cast: they are the masters themselves.
@@ -248,13 +289,16 @@ def initialize(
         if output_dtype is None and model_is_half:
             output_dtype = torch.float32
         add_cast_hooks(model, model_dtype, output_dtype)
+        if model_is_half:  # O2 and O3 (as apex): checkpoints hold fp32, the masters where there are any
+            add_fp32_state_dict_hooks(model, session.master_of)
         if properties.master_weights:
-            add_master_state_dict_hooks(model, session.master_of)
             if _world_size() > 1:
                 note_ddp_wrappers(model, session.ddp_wrappers)  # to follow DDP's broadcast, as apex did
+    given = list(optimizers) if isinstance(optimizers, (list, tuple)) else [] if optimizers is None else [optimizers]
+    wrapped = {id(sessions.unwrap(o)) for o in given if not isinstance(o, torch.optim.Optimizer)}
     for optimizer in optimizer_list:
         links = attach_masters(optimizer, fp32_values=fp32_values) if properties.master_weights else []
-        session.add_optimizer(optimizer, links)
+        session.add_optimizer(optimizer, links, wrapped=id(optimizer) in wrapped)
     del fp32_values
 
     if properties.patch_torch_functions:

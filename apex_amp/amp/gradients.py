@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import logging
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -71,12 +70,9 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from .master_weights import MasterLink, OptimizerParams, adopt_model_weights, mismatched_links
+from .master_weights import MasterLink, OptimizerParams, follow_model_layouts, reconcile_masters
 
 __all__ = ["GradState", "PassScale", "GradLifecycle", "settle_for_pass"]
-
-logger = logging.getLogger("apex_amp")
-
 
 class GradState(enum.Enum):
     EMPTY = "no amp gradients since the last step"
@@ -143,17 +139,22 @@ class GradLifecycle:
         make_masters: param groups added later get masters too (O2).
         on_new_links: called with the masters of param groups added later.
         account_pass: accounts a DELAYED accumulation's pass when it is finally checked.
+        wrapped: the user passed a wrapper (LARC) whose step reads the gradients before this
+            optimizer's: they are then never kept scaled.
     """
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, links: list[MasterLink], *, device: torch.device,
         make_masters: bool, on_new_links: Callable[[list[MasterLink]], None], account_pass: AccountPass,
+        wrapped: bool = False,
     ) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._device = device
         self._account_pass = account_pass
         # FusedAdam-like: step() takes found_inf / inv_scale / model_params and decides on the device.
         self.takes_step_kwargs = bool(getattr(type(optimizer), "_apex_amp_step_kwargs", False))
+        # Gradients may stay scaled until the step only if nothing reads them before it.
+        self.keeps_scaled = self.takes_step_kwargs and not wrapped
         self.params = OptimizerParams(optimizer, links, make_masters=make_masters, on_new_links=on_new_links)
         self.state = GradState.EMPTY
         self.steps = 0  # optimizer.step() calls, taken or skipped
@@ -277,7 +278,7 @@ class GradLifecycle:
             self.kept_scale = scale
             self._move(GradState.DELAYED)
             return False
-        if self.takes_step_kwargs and not has_old:
+        if self.keeps_scaled and not has_old:
             if scale.checked:
                 mt.check_finite(self._new_grads(), found_inf)
             self.held = {}
@@ -496,31 +497,10 @@ class GradLifecycle:
         self.params.sync(self._optimizer())
 
     def _reconcile_masters_once(self) -> None:
-        # apex made its masters at the first backward, from the model's weights as they were then:
-        # weights changed after initialize (a user's init or load, DDP's broadcast) were kept.
-        if self._masters_reconciled:
-            return
-        self._masters_reconciled = True
-        links = self.params.links
-        changed = mismatched_links(links) if links else []
-        if not changed:
-            return
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and (
-            torch.distributed.get_world_size() > 1
-        ):
-            raise RuntimeError(
-                f"rank {torch.distributed.get_rank()}: {len(changed)} model weights are not the rounding of "
-                f"amp's fp32 master weights (the first is master index {changed[0]}). amp.initialize made the "
-                "masters from this rank's own weights, and the weights were changed since (DistributedDataParallel "
-                "broadcasts rank 0's weights into the model; amp follows that by itself unless the wrapper runs "
-                "its Python reducer). Build the model from the same seed on every rank, or call "
-                "amp.sync_masters(ddp_model, optimizer) after wrapping, or pass model=ddp_model to amp.scale_loss"
-            )
-        adopt_model_weights([links[index] for index in changed])
-        logger.info(
-            "amp: %d model weights were changed after amp.initialize; their fp32 masters now start from them",
-            len(changed),
-        )
+        if not self._masters_reconciled:
+            self._masters_reconciled = True
+            follow_model_layouts(self.params.links, self._optimizer().state)
+            reconcile_masters(self.params.links)
 
 
 def settle_for_pass(lifecycles: Sequence[GradLifecycle], current_key: Callable[[], tuple[int, int]]) -> None:

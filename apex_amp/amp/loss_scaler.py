@@ -1,7 +1,9 @@
 """One loss scaler per ``loss_id``: the scale and its counters live on the device.
 
 The dynamic rule is apex's (x2 after ``scale_window`` clean steps, /2 on
-overflow) plus a floor, a cap and an optional hysteresis; it runs on the
+overflow, a growth to inf never taken) plus a floor, a cap and an optional
+hysteresis, refilled after every clean step (apex's rule) or only when the
+scale grows (``consecutive_hysteresis=False``); it runs on the
 device through :func:`apex_amp.ops.update_scale_`, so neither the check nor
 the update ever forces a host sync. Only :meth:`LossScaler.loss_scale` and
 :meth:`LossScaler.state_dict` read the device values, and say so.
@@ -44,6 +46,8 @@ class LossScaler:
         min_scale, max_scale: floor and cap of a dynamic scale.
         scale_window: clean steps before the scale grows.
         hysteresis: overflows tolerated before the scale backs off (1: at once).
+        consecutive_hysteresis: refill the hysteresis after every clean step, so only overflows
+            in a row back off (apex); False refills it only when the scale grows (Megatron).
         log_enabled: whether overflow messages go to the log (verbosity >= 1).
         collapse_warn_steps, collapse_raise_steps: overflows in a row with the scale at
             its floor (any overflow of a static scale) before the collapse warning and
@@ -62,6 +66,7 @@ class LossScaler:
         max_scale: float = 2.0**24,
         scale_window: int = 2000,
         hysteresis: int = 1,
+        consecutive_hysteresis: bool = True,
         log_enabled: bool = True,
         collapse_warn_steps: Optional[int] = DEFAULT_COLLAPSE_WARN_STEPS,
         collapse_raise_steps: Optional[int] = DEFAULT_COLLAPSE_RAISE_STEPS,
@@ -74,6 +79,7 @@ class LossScaler:
         self.max_scale = max_scale
         self.scale_window = scale_window
         self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
         self.scale = torch.full((1,), float(init_scale), dtype=torch.float32, device=self.device)
         self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.hysteresis_tracker = torch.full((1,), hysteresis, dtype=torch.int32, device=self.device)
@@ -137,6 +143,7 @@ class LossScaler:
                 hysteresis=self.hysteresis,
                 min_scale=self.min_scale,
                 max_scale=self.max_scale,
+                consecutive_hysteresis=self.consecutive_hysteresis,
             )
         if host_flag is None:
             self.log.record(found_inf, self.scale, static=not self.dynamic)

@@ -18,6 +18,7 @@ takes them over; the gradient lifecycle does both once, before the first pass.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -25,7 +26,12 @@ from torch import Tensor, nn
 
 from .._dtypes import HALF_DTYPES
 
-__all__ = ["MasterLink", "OptimizerParams", "attach_masters", "mismatched_links", "adopt_model_weights"]
+__all__ = [
+    "MasterLink", "OptimizerParams", "attach_masters", "mismatched_links", "adopt_model_weights", "reconcile_masters",
+    "follow_model_layouts",
+]
+
+logger = logging.getLogger("apex_amp")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -98,6 +104,60 @@ def adopt_model_weights(links: list[MasterLink]) -> None:
     with torch.no_grad():
         for link in links:
             link.master.copy_(link.model_param)
+
+
+def follow_model_layouts(links: list[MasterLink], optimizer_state: Mapping[Tensor, dict]) -> int:
+    """Give each master (and its optimizer state) its model weight's memory layout; returns how many moved.
+
+    A model converted with ``model.to(memory_format=torch.channels_last)`` after ``initialize``
+    has weights and gradients in the new layout; the fused ops walk corresponding tensors
+    element for element, so the masters must follow. The values are copied exactly.
+    """
+    moved = 0
+    with torch.no_grad():
+        for link in links:
+            master, model_param = link.master, link.model_param
+            if master.stride() == model_param.stride():
+                continue
+            moved += 1
+            master.data = torch.empty_like(model_param, dtype=torch.float32).copy_(master.data)
+            if master.grad is not None:
+                master.grad = torch.empty_like(master).copy_(master.grad)
+            state = optimizer_state.get(master, {})
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.shape == master.shape:
+                    state[key] = torch.empty_like(master, dtype=value.dtype).copy_(value)
+    return moved
+
+
+def reconcile_masters(links: list[MasterLink]) -> None:
+    """Before the first pass: masters whose model weight changed since ``initialize`` take it over.
+
+    apex made its masters at the first backward, from the model's weights as they were then, so
+    weights changed after ``initialize`` (a user's init, a loaded embedding) were trained. In a
+    distributed run a rank whose weights changed is refused instead: adopting the change on that
+    rank alone would leave the ranks with different masters (a DDP wrapper amp saw has already
+    given every rank rank 0's masters by then).
+    """
+    changed = mismatched_links(links) if links else []
+    if not changed:
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and (
+        torch.distributed.get_world_size() > 1
+    ):
+        raise RuntimeError(
+            f"rank {torch.distributed.get_rank()}: {len(changed)} model weights are not the rounding of "
+            f"amp's fp32 master weights (the first is master index {changed[0]}). amp.initialize made the "
+            "masters from this rank's own weights, and the weights were changed since (DistributedDataParallel "
+            "broadcasts rank 0's weights into the model; amp follows that by itself unless the wrapper runs "
+            "its Python reducer). Build the model from the same seed on every rank, or call "
+            "amp.sync_masters(ddp_model, optimizer) after wrapping, or pass model=ddp_model to amp.scale_loss"
+        )
+    adopt_model_weights([links[index] for index in changed])
+    logger.info(
+        "amp: %d model weights were changed after amp.initialize; their fp32 masters now start from them",
+        len(changed),
+    )
 
 
 class OptimizerParams:

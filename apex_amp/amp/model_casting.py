@@ -1,4 +1,4 @@
-"""O0/O2/O3 model casting: weights, forward inputs and outputs, fp32 state_dict under O2.
+"""O0/O2/O3 model casting: weights, forward inputs and outputs, fp32 state_dict of half models.
 
 Everything here uses torch's own module extension points, so the model keeps
 its identity and type and can be wrapped (DDP, torch.compile) afterwards:
@@ -6,9 +6,10 @@ its identity and type and can be wrapped (DDP, torch.compile) afterwards:
 * weights and buffers are cast in place (``param.data``), as ``Module.to``
   does, so every ``Parameter`` object the optimizer holds stays the same;
 * inputs and outputs are cast by forward pre/post hooks;
-* under O2 a ``state_dict`` post-hook reports fp32 values (the fp32 master
-  weights, so a checkpoint is exact), and a ``load_state_dict`` pre-hook copies
-  loaded fp32 values into the masters before torch rounds them into the model.
+* for a half model (O2, O3) a ``state_dict`` post-hook reports fp32 values (the
+  fp32 master weights where there are masters, so an O2 checkpoint is exact),
+  and a ``load_state_dict`` pre-hook copies loaded fp32 values into the masters
+  before torch rounds them into the model.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._dtypes import HALF_DTYPES, map_tensors
 
-__all__ = ["cast_model_", "cast_floating_tensors", "add_cast_hooks", "add_master_state_dict_hooks"]
+__all__ = ["cast_model_", "cast_floating_tensors", "add_cast_hooks", "add_fp32_state_dict_hooks"]
 
 # Returns the fp32 master of a model parameter, or None when it has none.
 MasterLookup = Callable[[Tensor], Optional[Tensor]]
@@ -78,8 +79,12 @@ def _named_params_under(module: nn.Module, prefix: str) -> dict[str, Tensor]:
     return dict(module.named_parameters(prefix=base, remove_duplicate=False))
 
 
-def add_master_state_dict_hooks(model: nn.Module, master_of: MasterLookup) -> list[RemovableHandle]:
-    """Make ``model.state_dict()`` fp32 (masters for mastered params) and loads refresh the masters."""
+def add_fp32_state_dict_hooks(model: nn.Module, master_of: MasterLookup) -> list[RemovableHandle]:
+    """Make ``model.state_dict()`` fp32 (masters for mastered params) and loads refresh the masters.
+
+    For every model cast to half (O2 and O3, as apex did): a checkpoint holds fp32 values, so
+    it loads into an fp32 model, and a half model rounds them when it loads them.
+    """
 
     def fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         params = _named_params_under(module, prefix)

@@ -75,6 +75,8 @@ class AmpProperties:
     # Scale-collapse guard: overflows in a row at the floor before a warning / a RuntimeError.
     collapse_warn_steps: Optional[int] = DEFAULT_COLLAPSE_WARN_STEPS
     collapse_raise_steps: Optional[int] = DEFAULT_COLLAPSE_RAISE_STEPS
+    # The hysteresis refills after every clean step (apex) or only when the scale grows (Megatron).
+    consecutive_hysteresis: bool = True
 
     def describe(self) -> str:
         scale = f"dynamic (initial {self.loss_scale})" if self.dynamic_loss_scale else str(self.loss_scale)
@@ -172,7 +174,8 @@ def _check_collapse_steps(warn_steps: Any, raise_steps: Any) -> None:
 def _check_dtype(name: str, value: Any, allowed: tuple) -> None:
     if value is not None and value not in allowed:
         names = ", ".join(str(d) for d in allowed)
-        raise ValueError(f"{name} must be None or one of {names}, got {value!r}")
+        also = " or False (do not cast)" if name == "cast_model_type" else ""
+        raise ValueError(f"{name} must be None{also} or one of {names}, got {value!r}")
 
 
 def resolve_properties(
@@ -190,6 +193,7 @@ def resolve_properties(
     max_loss_scale: Any = 2.0**24,
     scale_window: Any = 2000,
     hysteresis: Any = 1,
+    consecutive_hysteresis: Any = True,
     skip_nonfinite: bool = False,
     allow_banned: bool = False,
     collapse_warn_steps: Any = DEFAULT_COLLAPSE_WARN_STEPS,
@@ -198,6 +202,7 @@ def resolve_properties(
     """Apply the user's overrides to the level's defaults, rejecting nonsense with the reason."""
     level = _check_opt_level(opt_level)
     skip_nonfinite = parse_flag("skip_nonfinite", skip_nonfinite)
+    consecutive_hysteresis = parse_flag("consecutive_hysteresis", consecutive_hysteresis)
     allow_banned = parse_flag("allow_banned", allow_banned)
     if half_dtype not in HALF_DTYPES:
         raise ValueError(f"half_dtype must be torch.float16 or torch.bfloat16, got {half_dtype!r}")
@@ -205,13 +210,16 @@ def resolve_properties(
     if table["cast_model_type"] == _HALF:
         table["cast_model_type"] = half_dtype
 
-    # cast_model_type
+    # cast_model_type: False means "do not cast the model", as in apex
+    if cast_model_type is False:
+        table["cast_model_type"] = None
+        cast_model_type = None
     _check_dtype("cast_model_type", cast_model_type, MODEL_DTYPES)
     if cast_model_type is not None:
-        if level == "O1":
+        if level == "O1" and cast_model_type != torch.float32:
             raise ValueError(
-                "cast_model_type cannot be set with O1: O1 leaves the model in fp32 and casts per op; "
-                "use O2 or O3 to cast the whole model"
+                f"cast_model_type={cast_model_type} cannot be set with O1: O1 leaves the model in fp32 and "
+                "casts per op; use O2 or O3 to cast the whole model (or cast_model_type=False/None)"
             )
         if cast_model_type in HALF_DTYPES and cast_model_type != half_dtype:
             raise ValueError(
@@ -294,6 +302,7 @@ def resolve_properties(
         max_loss_scale=max_scale,
         scale_window=scale_window,
         hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive_hysteresis,
         num_losses=num_losses,
         allow_banned=bool(allow_banned),
         collapse_warn_steps=collapse_warn_steps,

@@ -55,6 +55,7 @@ class AmpSession:
                     max_scale=properties.max_loss_scale,
                     scale_window=properties.scale_window,
                     hysteresis=properties.hysteresis,
+                    consecutive_hysteresis=properties.consecutive_hysteresis,
                     log_enabled=verbosity >= 1,
                     collapse_warn_steps=properties.collapse_warn_steps,
                     collapse_raise_steps=properties.collapse_raise_steps,
@@ -81,10 +82,10 @@ class AmpSession:
         return self._master_of.get(param)
 
     # ---- optimizers ---------------------------------------------------------
-    def add_optimizer(self, optimizer: torch.optim.Optimizer, links: list[MasterLink]) -> None:
+    def add_optimizer(self, optimizer: torch.optim.Optimizer, links: list[MasterLink], wrapped: bool = False) -> None:
         lifecycle = GradLifecycle(
             optimizer, links, device=self.device, make_masters=bool(self.properties.master_weights),
-            on_new_links=self.register_masters, account_pass=self.account_pass,
+            on_new_links=self.register_masters, account_pass=self.account_pass, wrapped=wrapped,
         )
         self.lifecycles[optimizer] = lifecycle
         # Kept alive by the hooks it registers on the optimizer.
@@ -178,10 +179,19 @@ class AmpSession:
                 f"{sorted(expected)} and 'amp_config'); pass the amp part of the checkpoint, e.g. "
                 "amp.load_state_dict(checkpoint['amp']), not the whole checkpoint"
             )
-        if given != expected:
+        if not given:
             raise ValueError(
-                f"amp state has loss scalers {sorted(given)} but this run has {sorted(expected)} "
-                f"(num_losses={len(self.scalers)}); initialize with the num_losses the checkpoint was saved with"
+                f"amp state has no loss scalers (this run has {sorted(expected)}); pass the dict that "
+                "amp.state_dict() returned, e.g. amp.load_state_dict(checkpoint['amp'])"
+            )
+        if given != expected:
+            # apex loaded what fits and said so; a run may add or drop a loss between checkpoints.
+            logger.warning(
+                "amp.load_state_dict: the state has loss scalers %s but this run has %s (num_losses=%d); "
+                "loading the ones both have%s%s",
+                sorted(given), sorted(expected), len(self.scalers),
+                f", skipping {sorted(given - expected)}" if given - expected else "",
+                f", {sorted(expected - given)} keep their current state" if expected - given else "",
             )
         config = state_dict.get("amp_config")
         if config is not None and not isinstance(config, Mapping):
@@ -198,7 +208,9 @@ class AmpSession:
                         "initialize with the settings of the run that saved the checkpoint"
                     )
         # Validate every scaler before changing any, so a bad entry changes nothing.
-        for i, scaler in enumerate(self.scalers):
-            scaler.checked_state(state_dict[f"loss_scaler{i}"])
-        for i, scaler in enumerate(self.scalers):
-            scaler.load_state_dict(state_dict[f"loss_scaler{i}"])
+        loaded = [(scaler, state_dict[f"loss_scaler{i}"]) for i, scaler in enumerate(self.scalers)
+                  if f"loss_scaler{i}" in state_dict]
+        for scaler, state in loaded:
+            scaler.checked_state(state)
+        for scaler, state in loaded:
+            scaler.load_state_dict(state)

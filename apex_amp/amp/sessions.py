@@ -24,7 +24,8 @@ import torch
 from .session import AmpSession
 
 __all__ = [
-    "register", "session_for", "latest_session", "latest", "find_session", "as_optimizer_list", "one_optimizer", "was_initialized",
+    "register", "session_for", "latest_session", "latest", "find_session", "unwrap", "as_optimizer_list",
+    "one_optimizer", "was_initialized",
 ]
 
 _SESSION_OF_OPTIMIZER: "weakref.WeakKeyDictionary[torch.optim.Optimizer, AmpSession]" = weakref.WeakKeyDictionary()
@@ -67,20 +68,36 @@ def latest(caller: str) -> AmpSession:
     return _latest_session
 
 
+def unwrap(optimizer: Any) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer behind ``optimizer``: itself, or the one a wrapper holds in ``.optim``.
+
+    apex accepted such wrappers (``apex.parallel.LARC``, ``apex_amp.optimizers.LARC``): objects
+    that are not optimizers themselves but hold one and forward ``param_groups`` to it. amp's
+    state and hooks belong to the wrapped optimizer. None when ``optimizer`` is neither.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer) and hasattr(optimizer, "param_groups"):
+        return inner
+    return None
+
+
 def as_optimizer_list(optimizers: Any, what: str = "optimizers") -> list[torch.optim.Optimizer]:
-    """``optimizers`` (one or a list) as a list, or TypeError naming ``what`` was wrong."""
-    if isinstance(optimizers, torch.optim.Optimizer):
-        return [optimizers]
+    """``optimizers`` (one or a list; wrappers unwrapped) as a list of torch optimizers, or TypeError."""
+    kind = "a torch.optim.Optimizer (or a wrapper holding one in .optim, such as LARC)"
     if isinstance(optimizers, (list, tuple)):
+        found = []
         for index, optimizer in enumerate(optimizers):
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(
-                    f"{what}[{index}] must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-                )
-        return list(optimizers)
-    raise TypeError(
-        f"{what} must be a torch.optim.Optimizer or a list of them, got {type(optimizers).__name__}"
-    )
+            inner = unwrap(optimizer)
+            if inner is None:
+                raise TypeError(f"{what}[{index}] must be {kind}, got {type(optimizer).__name__}")
+            found.append(inner)
+        return found
+    inner = unwrap(optimizers)
+    if inner is None:
+        raise TypeError(f"{what} must be {kind} or a list of them, got {type(optimizers).__name__}")
+    return [inner]
 
 
 def one_optimizer(optimizer: Any, caller: str) -> torch.optim.Optimizer:

@@ -38,6 +38,15 @@ def _merge_fp32_into_copy_calls(calls: dict[tuple[torch.device, bool], dict[str,
         del calls[(device, False)]
 
 
+def _lay_out_like(state: dict[str, Any], param: Tensor) -> None:
+    # fused_adam_ walks a param and its state in memory order, so they must share strides; a
+    # checkpoint saved from a contiguous model may be loaded into a channels_last one (once, at load).
+    for key in _FP32_STATE_KEYS:
+        value = state.get(key)
+        if isinstance(value, Tensor) and value.shape == param.shape and value.stride() != param.stride():
+            state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+
+
 class FusedAdam(torch.optim.Optimizer):
     """Adam and AdamW whose whole update is one fused pass over all tensors of a param group.
 
@@ -263,3 +272,5 @@ class FusedAdam(torch.optim.Optimizer):
         for index, param in zip(saved_ids, params):
             for key, value in keep_fp32.get(index, {}).items():
                 self.state[param][key] = value.to(param.device)
+            if param in self.state:
+                _lay_out_like(self.state[param], param)

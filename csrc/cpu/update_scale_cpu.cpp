@@ -23,7 +23,8 @@ void update_scale_cpu(
     int64_t growth_interval,
     int64_t hysteresis,
     double min_scale,
-    double max_scale) {
+    double max_scale,
+    bool consecutive_hysteresis) {
   validate_update_scale(
       scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
       growth_interval, hysteresis, min_scale, max_scale, kCpu);
@@ -33,11 +34,15 @@ void update_scale_cpu(
   int32_t& hysteresis_left = *hysteresis_tracker.data_ptr<int32_t>();
   // Any non-zero value, NaN included, is an overflow.
   const bool overflow = *found_inf.data_ptr<float>() != 0.f;
-  update_scale_math(
-      scale_value, growth_count, hysteresis_left, overflow, static_cast<float>(growth_factor),
-      static_cast<float>(backoff_factor), static_cast<int32_t>(growth_interval),
-      static_cast<int32_t>(hysteresis), static_cast<float>(min_scale),
-      static_cast<float>(max_scale));
+  const ScaleRule rule{
+      growth_factor,
+      backoff_factor,
+      static_cast<int32_t>(growth_interval),
+      static_cast<int32_t>(hysteresis),
+      static_cast<float>(min_scale),
+      static_cast<float>(max_scale),
+      consecutive_hysteresis};
+  update_scale_math(scale_value, growth_count, hysteresis_left, overflow, rule);
 }
 
 }  // namespace

@@ -15,25 +15,13 @@
 namespace apex_amp {
 namespace {
 
-struct ScaleRule {
-  float growth_factor;
-  float backoff_factor;
-  int32_t growth_interval;
-  int32_t hysteresis;
-  float min_scale;
-  float max_scale;
-};
-
 __global__ void update_scale_kernel(
     float* scale,
     int32_t* growth_tracker,
     int32_t* hysteresis_tracker,
     const float* found_inf,
     ScaleRule rule) {
-  update_scale_math(
-      *scale, *growth_tracker, *hysteresis_tracker, *found_inf != 0.f, rule.growth_factor,
-      rule.backoff_factor, rule.growth_interval, rule.hysteresis, rule.min_scale,
-      rule.max_scale);
+  update_scale_math(*scale, *growth_tracker, *hysteresis_tracker, *found_inf != 0.f, rule);
 }
 
 void update_scale_cuda(
@@ -46,7 +34,8 @@ void update_scale_cuda(
     int64_t growth_interval,
     int64_t hysteresis,
     double min_scale,
-    double max_scale) {
+    double max_scale,
+    bool consecutive_hysteresis) {
   const at::Device device = scale.device();
   validate_update_scale(
       scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
@@ -54,9 +43,13 @@ void update_scale_cuda(
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const ScaleRule rule{
-      static_cast<float>(growth_factor),  static_cast<float>(backoff_factor),
-      static_cast<int32_t>(growth_interval), static_cast<int32_t>(hysteresis),
-      static_cast<float>(min_scale),      static_cast<float>(max_scale)};
+      growth_factor,
+      backoff_factor,
+      static_cast<int32_t>(growth_interval),
+      static_cast<int32_t>(hysteresis),
+      static_cast<float>(min_scale),
+      static_cast<float>(max_scale),
+      consecutive_hysteresis};
   update_scale_kernel<<<1, 1, 0, stream>>>(
       scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
       hysteresis_tracker.data_ptr<int32_t>(), found_inf.data_ptr<float>(), rule);

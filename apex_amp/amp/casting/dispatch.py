@@ -83,7 +83,7 @@ def _make_kernel(name: str, rule: Rule | None, device: str):
     if rule is None:
         def kernel(keyset, *args, **kwargs):
             if STATE.active and not policy.in_backward() and args[0].dtype in HALF_DTYPES:
-                raise RuntimeError(policy.inplace_message(f"aten::{name}", args[0].dtype))
+                raise NotImplementedError(policy.inplace_message(f"aten::{name}", args[0].dtype))
             return passthrough(keyset, args, kwargs)
     elif rule is Rule.HALF:
         # The hot path (linear, conv, matmul in every forward): kept to plain attribute reads.
@@ -105,7 +105,7 @@ def _make_kernel(name: str, rule: Rule | None, device: str):
             if not STATE.active or policy.in_backward():
                 return passthrough(keyset, args, kwargs)
             if rule is Rule.BANNED and not STATE.allow_banned:
-                raise RuntimeError(policy.banned_message(f"aten::{name}"))
+                raise NotImplementedError(policy.banned_message(f"aten::{name}"))
             args, kwargs = policy.cast_call(rule, args, kwargs, STATE.half_dtype)
             return run_below_autocast(args, kwargs)
 

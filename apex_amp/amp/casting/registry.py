@@ -77,8 +77,17 @@ def _module_name(module: Any) -> str:
 # the same function replaces its row (the user's choice wins) until it is unregistered.
 _PATCHES: dict[tuple[int, str], _Patch] = {}
 _BUILTIN: dict[tuple[int, str], tuple[Any, str, Rule]] = {}
+def python_owner(path: str) -> Any:
+    """The object a Python rule row patches: a module ("torch.nn.functional") or a class ("torch.Tensor")."""
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError:
+        module_path, _, name = path.rpartition(".")
+        return getattr(importlib.import_module(module_path), name)
+
+
 for _module_path, _name, _rule in python_rules():
-    _module = importlib.import_module(_module_path)
+    _module = python_owner(_module_path)
     _BUILTIN[(id(_module), _name)] = (_module, _name, _rule)
     _PATCHES[(id(_module), _name)] = _Patch(_module, _name, _rule)
 _USER_KEYS: set[tuple[int, str]] = set()

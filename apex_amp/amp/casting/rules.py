@@ -168,6 +168,8 @@ RULES: tuple[OpRule, ...] = (
     _fp32("cosine_embedding_loss", "cosine_embedding_loss", native=_BOTH),
     _fp32("triplet_margin_loss", "triplet_margin_loss", native=_BOTH),
     _fp32("triplet_margin_with_distance_loss", python=((_F, "triplet_margin_with_distance_loss"),)),
+    # apex's rule: a half tensor is cast to fp32 before it moves to the CPU (numpy has no bf16).
+    _fp32("Tensor.cpu", python=(("torch.Tensor", "cpu"),)),
     # -- promote: run in the widest floating dtype among the inputs ----------------------
     _promote("add, sub, mul, div", "add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", native=_BOTH),
     _promote("addcmul, addcdiv", "addcmul", "addcdiv", native=_BOTH),
@@ -202,15 +204,22 @@ def aten_rules(device: str) -> Iterator[tuple[str, Rule]]:
 
 
 def python_rules() -> Iterator[tuple[str, str, Rule]]:
-    """(module name, attribute, rule) of the rows applied by wrapping a Python function."""
+    """(owner, attribute, rule) of the rows applied by wrapping a Python function.
+
+    The owner is a module's dotted name, or a class's (``"torch.Tensor"``).
+    """
     for row in RULES:
         for module_name, attribute in row.python:
             yield module_name, attribute, row.rule
 
 
+def _python_name(owner: str, attribute: str) -> str:
+    return f"F.{attribute}" if owner == _F else f"{owner.rpartition('.')[2]}.{attribute}"
+
+
 def _where(row: OpRule) -> str:
     if row.python:
-        return "Python wrapper of " + ", ".join(f"`F.{attr}`" for _, attr in row.python)
+        return "Python wrapper of " + ", ".join(f"`{_python_name(*entry)}`" for entry in row.python)
     overridden = [d for d in DEVICES if d not in row.native]
     if not overridden:
         return "torch (both devices)"

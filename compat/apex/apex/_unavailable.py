@@ -99,12 +99,6 @@ UNAVAILABLE_NAMES: dict[str, str] = {
         "Reducer is not provided: use apex.parallel.DistributedDataParallel and delay the reduction with "
         "its no_sync() context, or torch.distributed.all_reduce on the gradients"
     ),
-    # A module in apex (`from apex.parallel.LARC import LARC`), listed as a name so that
-    # `from apex.parallel import LARC` carries the message too (see UnavailableFinder).
-    "apex.parallel.LARC": (
-        "LARC is not provided and torch has none: use timm.optim.Lars(..., trust_clip=True) "
-        "(LARS with LARC's clipping)"
-    ),
 }
 
 _AMP_SUBMODULE = (

@@ -2,8 +2,8 @@
 
 timm's ``train.py`` imports ``DistributedDataParallel`` and ``convert_syncbn_model`` from here
 in the same ``try`` block as ``from apex import amp``, so these must import and behave as
-apex's did. ``Reducer``, ``LARC`` and ``multiproc`` are not provided: importing one raises an
-ImportError that names its replacement.
+apex's did. ``apex.parallel.LARC`` is apex_amp's :class:`~apex_amp.optimizers.LARC`. ``Reducer``
+and ``multiproc`` are not provided: importing one raises an ImportError that names its replacement.
 
 Example::
 

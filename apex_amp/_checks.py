@@ -1,0 +1,130 @@
+"""Argument checks for the fake kernels and the pure-PyTorch fallback.
+
+csrc/validate.h is the authority on what each op accepts. A fake (meta)
+kernel has to check the metadata part of those rules itself (torch.compile
+runs it instead of the kernels while tracing), and the fallback runs its op's
+fake kernel before any work (apex_amp/_fallback.py), so both refuse what the
+compiled ops refuse and name the same argument, in their own words: the
+tests compare the error type and the argument named, never the wording.
+
+Whether written tensors share memory needs real data pointers, which fake
+tensors lack; those checks are here too, for the fallback alone.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn, Sequence
+
+import torch
+from torch import Tensor
+
+FLOATING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fail(op: str, message: str) -> NoReturn:
+    raise RuntimeError(f"apex_amp.{op}: {message}")
+
+
+def is_dense(t: Tensor) -> bool:
+    """Every element stored once and no gaps, in any order of the dimensions
+    (at::is_non_overlapping_and_dense): contiguous, channels_last, permuted."""
+    if t.numel() == 0:
+        return True
+    expected_stride = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected_stride:
+            return False
+        expected_stride *= size
+    return True
+
+
+def same_memory_order(a: Tensor, b: Tensor) -> bool:
+    """Whether dense a and b (of equal numel) store their elements in the same
+    order: both contiguous, or equal sizes and strides (size-1 dimensions aside)."""
+    if a.numel() <= 1 or (a.is_contiguous() and b.is_contiguous()):
+        return True
+    if a.shape != b.shape:
+        return False
+    return all(size == 1 or sa == sb for size, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
+def tensor_lists(op: str, device: torch.device, **lists: Sequence[Tensor]) -> None:
+    """Each tensor of each list: on `device`, fp32/fp16/bf16, dense."""
+    for name, tensors in lists.items():
+        for i, t in enumerate(tensors):
+            if t.device != device:
+                fail(op, f"{name}[{i}] is on {t.device}, not on {device} where the op runs; "
+                         "put every tensor on one device")
+            if t.dtype not in FLOATING_DTYPES:
+                fail(op, f"{name}[{i}] is {t.dtype}; the op takes torch.float32, torch.float16 or "
+                         "torch.bfloat16")
+            if not is_dense(t):
+                fail(op, f"{name}[{i}] is not dense (sizes {tuple(t.shape)}, strides {t.stride()}: "
+                         f"expanded, or sliced with a step); pass {name}[{i}].contiguous()")
+
+
+def corresponding(op: str, name_a: str, a: Sequence[Tensor], **others: Sequence[Tensor]) -> None:
+    """Each list of `others` pairs up with `a`: as long, with equal numel and memory order per index."""
+    for name_b, b in others.items():
+        if len(a) != len(b):
+            fail(op, f"{name_a} holds {len(a)} tensors but {name_b} holds {len(b)}; pass lists of equal length")
+        for i, (ta, tb) in enumerate(zip(a, b)):
+            if ta.numel() != tb.numel():
+                fail(op, f"{name_b}[{i}] has {tb.numel()} elements where {name_a}[{i}] has {ta.numel()}; "
+                         "corresponding tensors need equal sizes")
+            if not same_memory_order(ta, tb):
+                fail(op, f"{name_b}[{i}] (strides {tb.stride()}) orders its elements unlike {name_a}[{i}] "
+                         f"(strides {ta.stride()}); create {name_b}[{i}] with torch.empty_like({name_a}[{i}])")
+
+
+def scalars(op: str, device: torch.device, dtype: torch.dtype = torch.float32, **tensors: Tensor) -> None:
+    """One-element tensors of `dtype` on `device` (found_inf, inv_scale, scale, step, trackers)."""
+    for name, t in tensors.items():
+        if t.numel() != 1 or t.dtype != dtype or t.device != device:
+            fail(op, f"{name} must be a one-element {dtype} tensor on {device}; got {t.numel()} "
+                     f"element(s) of {t.dtype} on {t.device}")
+
+
+def number(op: str, name: str, value: float, in_range: bool, expected: str) -> None:
+    """A host number of the op; `in_range` is written so that NaN is False."""
+    if not in_range:
+        fail(op, f"{name} must be {expected}, got {value}")
+
+
+# ---- memory (real tensors only: the fallback) ------------------------------------------
+def _byte_range(t: Tensor) -> tuple[int, int]:
+    # A dense tensor's bytes are one range starting at its data pointer.
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _share_memory(a: Tensor, b: Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a_start, a_end = _byte_range(a)
+    b_start, b_end = _byte_range(b)
+    return a_start < b_end and b_start < a_end
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def disjoint_within(op: str, **lists: Sequence[Tensor]) -> None:
+    """No two entries of a list the op writes share memory (an element would be written twice)."""
+    for name, tensors in lists.items():
+        spans = sorted((*_byte_range(t), i) for i, t in enumerate(tensors) if t.numel() > 0)
+        for (_, previous_end, previous), (start, _, index) in zip(spans, spans[1:]):
+            if start < previous_end:
+                first, second = sorted((previous, index))
+                fail(op, f"{name}[{first}] and {name}[{second}] share memory; the op writes each entry of "
+                         f"{name}, so pass each tensor once")
+
+
+def disjoint_pairs(op: str, name_a: str, a: Sequence[Tensor], name_b: str, b: Sequence[Tensor],
+                   may_be_same: bool) -> None:
+    """a[i] and b[i] do not share memory (or, when `may_be_same`, are one and the same tensor)."""
+    for i, (ta, tb) in enumerate(zip(a, b)):
+        if _share_memory(ta, tb) and not (may_be_same and _same_memory(ta, tb)):
+            allowed = "the same tensor or separate ones" if may_be_same else "separate tensors"
+            fail(op, f"{name_a}[{i}] and {name_b}[{i}] share memory; pass {allowed}")
