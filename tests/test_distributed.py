@@ -11,13 +11,8 @@ per launch and the rest are marked slow.
 from __future__ import annotations
 
 import ast
-import os
 import re
-import socket
 import subprocess
-import sys
-import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -26,60 +21,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _launch import launch_two_ranks
 from apex_amp import amp
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "distributed.py"
 IDENTICAL = "RESULT: all 2 ranks identical"
-TIMEOUT_S = 180
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
 def run_example(*args: str, torchrun: bool = False, script: Path = EXAMPLE) -> subprocess.CompletedProcess:
-    """Run the example (or ``script``) on 2 ranks: under torchrun, or (cheaper: no third interpreter)
-    as 2 processes given the environment torchrun would set."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(EXAMPLE.parents[1]))
-    example = [str(script), *args] if script != EXAMPLE else [str(EXAMPLE), "--steps", "8", *args]
-    if torchrun:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *example]
-        return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    with tempfile.TemporaryDirectory() as logs:
-        workers = []
-        for rank in range(2):
-            out, err = (open(Path(logs) / f"{rank}.{kind}", "w+") for kind in ("out", "err"))
-            process = subprocess.Popen([sys.executable, *example], stdout=out, stderr=err, text=True,
-                                       env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
-            workers.append((process, out, err))
-        deadline = time.monotonic() + TIMEOUT_S
-        while any(process.poll() is None for process, _, _ in workers):
-            failed = any(process.poll() not in (None, 0) for process, _, _ in workers)
-            if failed or time.monotonic() > deadline:
-                # A failed rank leaves the other waiting in a collective: stop it, as torchrun would.
-                for process, _, _ in workers:
-                    if process.poll() is None:
-                        process.kill()
-            time.sleep(0.05)
-        returncode = next((p.returncode for p, _, _ in workers if p.returncode), 0)
-        outputs = []
-        for process, out, err in workers:
-            process.wait()
-            out.seek(0), err.seek(0)
-            outputs.append((out.read(), err.read()))
-            out.close(), err.close()
-    stdout = "".join(prefix_lines(o, rank) if rank else o for rank, (o, _) in enumerate(outputs))
-    stderr = "".join(prefix_lines(e, rank) for rank, (_, e) in enumerate(outputs))
-    return subprocess.CompletedProcess(example, returncode, stdout, stderr)
-
-
-def prefix_lines(text: str, rank: int) -> str:
-    return "".join(f"[rank{rank}]: {line}\n" for line in text.splitlines())
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """examples/distributed.py with ``--steps 8`` and ``args`` (or ``script`` with ``args``) on 2 ranks."""
+    command = [str(script), *args] if script != EXAMPLE else [str(EXAMPLE), "--steps", "8", *args]
+    return launch_two_ranks(command, torchrun=torchrun)
 
 
 def assert_identical(result: subprocess.CompletedProcess) -> str:
@@ -467,13 +421,3 @@ def test_fsdp_flat_parameters_are_refused(process_group):
     optimizer = torch.optim.SGD(fsdp.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="FlatParameters.*use_orig_params=True"):
         amp.initialize(fsdp, optimizer, opt_level="O1", verbosity=0)
-
-
-def test_fsdp2_fully_shard_is_refused(process_group):
-    from torch.distributed.fsdp import fully_shard
-
-    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    fully_shard(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"fully_shard \(FSDP2.*use_orig_params=True"):
-        amp.initialize(model, optimizer, opt_level="O1", verbosity=0)

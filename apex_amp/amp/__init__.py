@@ -27,6 +27,7 @@ from .diagnostics import inspect, last_overflow, overflow_reports, save_histogra
 from .backward_pass import scale_loss
 from .frontend import initialize
 from .run_state import load_state_dict, loss_scale, master_params, state_dict, step_was_skipped, sync_masters
+from .sharded_checkpoint import checkpoint_state
 from .opt_levels import OPT_LEVELS
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "step_was_skipped",
     "loss_scale",
     "sync_masters",
+    "checkpoint_state",
     "disable_casts",
     "register_half_function",
     "register_float_function",

@@ -4,6 +4,8 @@ A model may span devices; each op runs on one. These helpers group the lists
 by the device of their first list, move the one-element scalars there (a
 device-to-device copy, never a host sync) and fold each device's flag back
 into the caller's ``found_inf``. With one device they make exactly one op call.
+DTensors (FSDP2's sharded parameters and gradients) are replaced by this
+rank's shards: every op here is elementwise, so the shards are all it needs.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .._dtensor import local_tensors
 
 __all__ = ["check_finite", "unscale_", "scale_", "axpby_"]
 
 
 def _per_device(lists: Sequence[Sequence[Tensor]], found_inf: Tensor, call: Callable[..., None]) -> None:
     # call(device, flag, *lists_on_device)
+    lists = [local_tensors(lst) for lst in lists]
     first = lists[0]
     if not first:
         return

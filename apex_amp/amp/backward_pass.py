@@ -64,6 +64,9 @@ def scale_loss(
             backward passes with the same loss and scale); the last pass before
             ``optimizer.step()`` must use ``delay_unscale=False``. Ignored when
             gradients from an earlier, unscaled pass exist (they are merged now).
+            Set by itself for a model sharded by FSDP2 under
+            ``set_requires_gradient_sync(False)``, whose gradients stay inside
+            FSDP2 until the synchronising backward.
         delay_overflow_check: accepted for apex compatibility; the check never
             syncs with the host here, so there is nothing to delay.
 
@@ -106,10 +109,11 @@ def scale_loss(
     session.flush_logs(check_collapse=True)  # raises once a loss scale has collapsed
     lifecycles = [session.lifecycle_of(optimizer) for optimizer in optimizer_list]
     session.follow_ddp_wrappers(model, lifecycles)  # once per wrapper: rank 0's masters
-    local_accumulation = _skips_grad_sync(model)
+    local_accumulation = _skips_grad_sync(model) or session.accumulates_in_fsdp2()
     if local_accumulation:
         # Checking these local gradients now would let ranks disagree on the
         # skip; unscaling them would keep them out of DDP's next all-reduce.
+        # FSDP2 keeps them inside itself until a synchronising backward.
         delay_unscale = True
     settle_for_pass(lifecycles, lambda: (loss_id, scaler.scale_epoch))
     key = (loss_id, scaler.scale_epoch)
@@ -141,7 +145,9 @@ def scale_loss(
             lifecycle.abort_pass()
         raise
 
-    if not session.warned_unreached and not any(lifecycle.has_new_grads() for lifecycle in lifecycles):
+    if not session.warned_unreached and not local_accumulation and not any(
+        lifecycle.has_new_grads() for lifecycle in lifecycles
+    ):
         session.warned_unreached = True
         logger.warning(
             "amp.scale_loss: the backward pass produced no gradient for any parameter of the optimizer(s) "

@@ -21,11 +21,14 @@
   keeps every rank bitwise identical, with rank 0's fp32 precision. Where the
   wrapper cannot be seen (its Python reducer), the first pass of a distributed
   run raises if a rank's masters do not match its model weights.
-* **FSDP.** ``FullyShardedDataParallel(use_orig_params=True)`` works at O0 and
-  O1 (the model stays fp32; found-inf is synchronised automatically because
-  each rank checks its own shard). O2/O3 cast the model and keep masters of
-  full-size parameters, which FSDP has already flattened and sharded, so
-  :func:`check_sharded_models` refuses them with the supported setups named.
+* **FSDP.** FSDP2 (``fully_shard``) works at O0, O1 and O2, its fp32 shards
+  being the masters (:mod:`apex_amp.amp.fsdp2`, which checks its setup).
+  ``FullyShardedDataParallel(use_orig_params=True)`` (FSDP1) works at O0 and
+  O1 (the model stays fp32). O2/O3 on FSDP1 would cast the model and keep
+  masters of full-size parameters, which FSDP1 has already flattened and
+  sharded, so :func:`check_sharded_models` refuses them and names FSDP2. Under
+  either, each rank checks its own gradient shard, so found-inf is
+  synchronised automatically.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from .._dtypes import HALF_DTYPES
+from .fsdp2 import ShardedModels, check_fsdp2_models
 from .master_weights import MasterLink, OptimizerParams
+from .opt_levels import AmpProperties
 
 __all__ = [
     "agree_on_overflow", "broadcast_masters", "check_sharded_models", "distributed_ready", "note_ddp_wrappers",
@@ -48,9 +54,10 @@ __all__ = [
 logger = logging.getLogger("apex_amp")
 
 FSDP_SUPPORTED = (
-    "Supported with FSDP: FullyShardedDataParallel(model, use_orig_params=True) at opt_level O0 or O1, "
-    "wrapped before the optimizer is built and before amp.initialize(fsdp_model, optimizer, opt_level='O1'); "
-    "for O2/O3 use DistributedDataParallel (amp.initialize first, then DDP)"
+    "Supported with FSDP: fully_shard (FSDP2) at O0, O1 and O2, and FullyShardedDataParallel(model, "
+    "use_orig_params=True) at O0 or O1, each applied before the optimizer is built and before "
+    "amp.initialize(model, optimizer, ...); for O2 on a sharded model use fully_shard with "
+    "mp_policy=MixedPrecisionPolicy(param_dtype=<half_dtype>, reduce_dtype=torch.float32)"
 )
 
 
@@ -80,35 +87,32 @@ def _is_flat_param(param: Tensor) -> bool:
 
 
 def check_sharded_models(
-    models: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer], opt_level: str, casts_model: bool,
-    master_weights: bool,
-) -> Optional[Any]:
-    """Refuse FSDP at levels amp cannot serve; return FSDP's process group when a model is sharded."""
+    models: list[nn.Module], optimizers: list[torch.optim.Optimizer], properties: AmpProperties,
+) -> tuple[Optional[Any], Optional[ShardedModels]]:
+    """Refuse FSDP at levels amp cannot serve.
+
+    Returns the process group the ranks must agree on found-inf over (None when no model is
+    sharded) and the models FSDP2 shards (None when there are none).
+    """
+    fsdp2 = check_fsdp2_models(models, optimizers, properties)
     classes = _fsdp_classes()
-    sharded = [m for model in models for m in model.modules() if classes and isinstance(m, classes)]
+    sharded = [m for model in models for m in model.modules() if classes and isinstance(m, classes[0])]
     flat = any(_is_flat_param(p) for optimizer in optimizers for group in optimizer.param_groups
                for p in group["params"])
     if not sharded and not flat:
-        return None
+        return (fsdp2.process_group if fsdp2 is not None else None), fsdp2
     if flat:
         raise ValueError(
             "the optimizer holds FSDP FlatParameters (FullyShardedDataParallel with use_orig_params=False); "
             f"amp needs the original parameters. {FSDP_SUPPORTED}"
         )
-    fsdp2 = [m for m in sharded if not isinstance(m, classes[0])]
-    if fsdp2:
+    if properties.cast_model_type in HALF_DTYPES or properties.master_weights:
         raise ValueError(
-            f"{type(fsdp2[0]).__name__} was sharded by fully_shard (FSDP2, DTensor parameters), which amp does "
-            f"not support. {FSDP_SUPPORTED}"
+            f"opt_level={properties.opt_level} casts the model to half and keeps full-size fp32 masters, but the "
+            f"model is sharded by FullyShardedDataParallel (FSDP1). {FSDP_SUPPORTED}"
         )
-    if casts_model or master_weights:
-        raise ValueError(
-            f"opt_level={opt_level} casts the model to half and keeps full-size fp32 masters, but the model is "
-            f"sharded by FSDP. {FSDP_SUPPORTED}"
-        )
-    first = sharded[0]
-    group = getattr(first, "process_group", None)
-    return group if group is not None else torch.distributed.group.WORLD
+    group = getattr(sharded[0], "process_group", None)
+    return (group if group is not None else torch.distributed.group.WORLD), fsdp2
 
 
 # ---- the found-inf flag ---------------------------------------------------------------

@@ -11,7 +11,8 @@ from torch import nn
 
 from . import casting, sessions
 from .diagnostics import overflow
-from .distributed import check_sharded_models, note_ddp_wrappers, overflow_group
+from .distributed import check_sharded_models, distributed_ready, note_ddp_wrappers, overflow_group
+from .fsdp2 import refuse_late_sharding
 from .master_weights import attach_masters
 from .model_casting import add_cast_hooks, add_fp32_state_dict_hooks, cast_model_
 from .._dtypes import HALF_DTYPES
@@ -158,7 +159,8 @@ def initialize(
     """Prepare models and optimizers for mixed precision; returns the same objects.
 
     Args:
-        models: a ``torch.nn.Module`` or a list of them (not yet wrapped in DDP/DataParallel).
+        models: a ``torch.nn.Module`` or a list of them (not yet wrapped in DDP/DataParallel;
+            already sharded by FSDP2's ``fully_shard``, whose fp32 shards are then the masters).
         optimizers: a ``torch.optim.Optimizer`` (or a wrapper holding one in ``.optim``, such as
             :class:`apex_amp.optimizers.LARC`), a list of them, or None.
         enabled: False returns everything untouched and makes ``scale_loss`` a pass-through.
@@ -256,30 +258,33 @@ def initialize(
         )
     _check_fp32_params(model_list)
     _check_each_param_in_one_optimizer(model_list, optimizer_list)
-    sharded_group = check_sharded_models(
-        model_list, optimizer_list, properties.opt_level,
-        casts_model=properties.cast_model_type in HALF_DTYPES, master_weights=bool(properties.master_weights),
-    )
+    sharded_group, fsdp2 = check_sharded_models(model_list, optimizer_list, properties)
     # FSDP: each rank checks only its gradient shard, so the ranks must agree unless told otherwise.
     sync_group = sharded_group if sync_overflow is None else overflow_group(sync_overflow)
     if verbosity >= 1:
         _announce(properties.describe())
 
     # Masters start from the user's exact fp32 weights, not from their half rounding.
+    # FSDP2's fp32 shards are not cast: they are the masters themselves.
     fp32_values = {}
     if properties.master_weights:
         fp32_values = {
             id(p): p.detach().clone()
             for optimizer in optimizer_list for group in optimizer.param_groups for p in group["params"]
-            if p.dtype == torch.float32
+            if p.dtype == torch.float32 and not (fsdp2 is not None and fsdp2.holds_param(p))
         }
     session = AmpSession(properties, device, verbosity)
     session.overflow_group = sync_group
+    session.fsdp2 = fsdp2
     model_dtype = properties.cast_model_type
     model_is_half = model_dtype in HALF_DTYPES
-    for model in model_list:
+    for index, model in enumerate(model_list):
+        sharded = fsdp2 is not None and fsdp2.holds(model)
         if model_dtype is not None:
-            cast_model_(model, model_dtype, bool(properties.keep_batchnorm_fp32))
+            # Under FSDP2 the policy casts the parameters for compute; amp casts the buffers.
+            cast_model_(model, model_dtype, bool(properties.keep_batchnorm_fp32), cast_params=not sharded)
+        if not sharded and distributed_ready():
+            refuse_late_sharding(model, index)
         output_dtype = properties.cast_model_outputs
         if output_dtype is None and model_is_half:
             output_dtype = torch.float32

@@ -239,7 +239,8 @@ class GradLifecycle:
         self.settle()
         if local_accumulation and self._holds_grads():
             raise RuntimeError(
-                "amp.scale_loss under DistributedDataParallel.no_sync() found gradients it cannot accumulate "
+                "amp.scale_loss under DistributedDataParallel.no_sync() (or FSDP2's "
+                "set_requires_gradient_sync(False)) found gradients it cannot accumulate "
                 "in place (zeroed rather than set to None, left by another loss_id, or from a pass with a "
                 "different loss scale); merging them would leave rank-local values out of DDP's all-reduce. "
                 "Call optimizer.zero_grad(set_to_none=True) before the first no_sync pass and use one loss_id "

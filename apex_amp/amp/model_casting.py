@@ -29,13 +29,13 @@ __all__ = ["cast_model_", "cast_floating_tensors", "add_cast_hooks", "add_fp32_s
 MasterLookup = Callable[[Tensor], Optional[Tensor]]
 
 
-def cast_model_(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
-    """Cast the floating parameters, grads and buffers of ``model`` to ``dtype``, in place."""
+def cast_model_(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool, cast_params: bool = True) -> None:
+    """Cast the floating parameters (unless not ``cast_params``), grads and buffers of ``model`` to ``dtype``, in place."""
     for module in model.modules():
         if keep_batchnorm_fp32 and isinstance(module, _BatchNorm):
             continue
         with torch.no_grad():
-            for param in module.parameters(recurse=False):
+            for param in module.parameters(recurse=False) if cast_params else ():
                 if param.is_floating_point() and param.dtype != dtype:
                     param.data = param.data.to(dtype)
                     if param.grad is not None:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import distributed
+from .fsdp2 import ShardedModels
 from .gradients import GradLifecycle
 from .loss_scaler import LossScaler
 from .master_weights import MasterLink
@@ -39,6 +40,7 @@ class AmpSession:
         self.verbosity = verbosity
         # Process group whose ranks must agree on every skip (initialize's sync_overflow; distributed.py).
         self.overflow_group: Any = None
+        self.fsdp2: Optional[ShardedModels] = None  # the models fully_shard shards (fsdp2.py)
         self.warned_unreached = False  # the "backward reached no parameter" warning is logged once
         self.scalers: list[LossScaler] = []
         if properties is not None:
@@ -109,6 +111,10 @@ class AmpSession:
             lifecycle.note_found_inf(found_inf)
         if self.overflow_recorder is not None:
             self.overflow_recorder.record(found_inf, loss_id, inv_scale, lifecycles)
+
+    def accumulates_in_fsdp2(self) -> bool:
+        """Whether a backward now leaves its gradients inside FSDP2 (``set_requires_gradient_sync(False)``)."""
+        return self.fsdp2 is not None and self.fsdp2.skips_grad_sync()
 
     # ---- DistributedDataParallel -----------------------------------------------------
     def follow_ddp_wrappers(self, model: Optional[nn.Module], lifecycles: Sequence[GradLifecycle]) -> None:

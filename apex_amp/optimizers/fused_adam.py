@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .._dtensor import local_tensor
 from .._dtypes import HALF_DTYPES
 
 __all__ = ["FusedAdam"]
@@ -61,6 +62,11 @@ class FusedAdam(torch.optim.Optimizer):
     the ``inv_scale`` of gradients left scaled (unscaling folded into the same
     pass) and, under O2, the half model parameters of the fp32 masters, which
     supply the gradients and are rewritten in the same pass.
+
+    Parameters sharded by FSDP2 (``fully_shard``: DTensors) are updated shard
+    by shard: each rank's call covers its own shards, with no communication,
+    and ``exp_avg``/``exp_avg_sq`` are DTensors sharded like their parameter
+    (so ``torch.distributed.checkpoint`` saves and reshards them).
 
     Args:
         params: parameters or param groups.
@@ -207,12 +213,14 @@ class FusedAdam(torch.optim.Optimizer):
                 if lists is None:  # not setdefault: that would build a fresh dict for every param
                     lists = calls[key] = {name: [] for name in _CALL_LISTS}
                 lists["owners"].append(p)
-                lists["params"].append(target)
-                lists["grads"].append(grad)
-                lists["exp_avgs"].append(state["exp_avg"])
-                lists["exp_avg_sqs"].append(state["exp_avg_sq"])
+                # FSDP2's DTensors (the param, its gradient and the moments made like it, all
+                # sharded alike): the op updates this rank's shards, with no gather.
+                lists["params"].append(local_tensor(target))
+                lists["grads"].append(local_tensor(grad))
+                lists["exp_avgs"].append(local_tensor(state["exp_avg"]))
+                lists["exp_avg_sqs"].append(local_tensor(state["exp_avg_sq"]))
                 if model_param is not None:
-                    lists["model_params"].append(model_param)
+                    lists["model_params"].append(local_tensor(model_param))
             _merge_fp32_into_copy_calls(calls)
             beta1, beta2 = group["betas"]
             # The op increments the step it is given. With two calls on one

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..._dtensor import local_tensor
 from .. import sessions
 from ..gradients import GradLifecycle
 from ..session import AmpSession
@@ -102,7 +103,8 @@ class OverflowRecorder:
         for lifecycle in lifecycles:
             for index, (param, grad) in enumerate(lifecycle.pending_grads()):
                 name = self.names.get(param)
-                grads.append((name if name is not None else f"params[{index}]", grad))
+                # FSDP2: this rank's shard (each rank reports the non-finite values it holds).
+                grads.append((name if name is not None else f"params[{index}]", local_tensor(grad)))
         params: list[NonFiniteGrad] = []
         if grads:
             device = found_inf.device

@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ..._dtensor import local_tensor
 from ..._dtypes import HALF_DTYPES
 from .. import sessions
 from ..gradients import GradState
@@ -128,7 +129,7 @@ class UnderflowReport:
 
 def _count(grad: Tensor, scale: float, flush: float, overflow: float) -> Tensor:
     # [nonzero, flushed, flushed_unscaled, overflowed, histogram...] as one int64 tensor.
-    values = grad.detach().float().reshape(-1)
+    values = local_tensor(grad.detach()).float().reshape(-1)  # FSDP2: this rank's shard
     finite = torch.isfinite(values)
     nonzero = finite & (values != 0)
     magnitude = values.abs()
