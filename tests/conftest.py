@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 # The tests import their helpers (_backends, _reference) by plain name, also
 # under pytest's --import-mode=importlib, which does not add this folder.
@@ -79,3 +80,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def max_reductions(monkeypatch):
+    """The MAX all-reduces issued through torch.distributed.all_reduce (amp's found-inf sync)."""
+    calls = []
+    original = dist.all_reduce
+
+    def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if op == dist.ReduceOp.MAX:
+            calls.append(tensor.clone())
+        return original(tensor, op=op, group=group, async_op=async_op)
+
+    monkeypatch.setattr(dist, "all_reduce", counting)
+    return calls

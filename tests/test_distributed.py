@@ -281,21 +281,6 @@ def test_no_sync_refuses_zeroed_gradients_and_changes_nothing(process_group):
 # ---- in-process, world size 1: sync_overflow, sync_masters and FSDP checks ----------------------
 
 
-@pytest.fixture
-def max_reductions(monkeypatch):
-    """The MAX all-reduces issued through torch.distributed.all_reduce (amp's found-inf sync)."""
-    calls = []
-    original = dist.all_reduce
-
-    def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if op == dist.ReduceOp.MAX:
-            calls.append(tensor.clone())
-        return original(tensor, op=op, group=group, async_op=async_op)
-
-    monkeypatch.setattr(dist, "all_reduce", counting)
-    return calls
-
-
 def _train_step_with_overflow(ddp, optimizer, head=None, optimizers=None):
     x = torch.randn(4, 6)
     out = ddp(x)

@@ -139,20 +139,6 @@ def test_fused_adam_makes_one_call_over_the_local_shards(process_group, monkeypa
     assert isinstance(state["exp_avg"], DTensor) and isinstance(state["exp_avg_sq"], DTensor)
 
 
-@pytest.fixture
-def max_reductions(monkeypatch):
-    calls = []
-    original = dist.all_reduce
-
-    def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if op == dist.ReduceOp.MAX:
-            calls.append(tensor.clone())
-        return original(tensor, op=op, group=group, async_op=async_op)
-
-    monkeypatch.setattr(dist, "all_reduce", counting)
-    return calls
-
-
 @pytest.mark.parametrize("opt_level, policy", [("O1", "NO_POLICY"), ("O2", "BF16")])
 def test_found_inf_is_max_reduced_once_per_checked_pass_and_a_skip_changes_nothing(
     process_group, max_reductions, opt_level, policy
