@@ -144,8 +144,13 @@ def live_state_bytes(objects: list) -> int:
 
 
 # What torch's profiler library (kineto) writes to the C-level stderr by itself on every start and
-# stop, and about the GPU a CPU-only machine does not have: not the benchmark's output.
-_KINETO_NOISE = re.compile(r"^(USDT|ERROR|WARNING|INFO):\d{4}-\d\d-\d\d [\d:]+ \d+:\d+ \w+\.cpp:\d+\]")
+# stop, and about the GPU a CPU-only machine does not have; and c10's note on each free of a block
+# allocated before profiling started, which step_peak_bytes accounts for: not the benchmark's output.
+_KINETO_NOISE = re.compile(
+    r"^(USDT|ERROR|WARNING|INFO):\d{4}-\d\d-\d\d [\d:]+ \d+:\d+ \w+\.cpp:\d+\]"
+    r"|^\[W\d{4} [\d:.]+ (?:\d+ )?CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the "
+    r"profiling started"
+)
 
 
 @contextlib.contextmanager
