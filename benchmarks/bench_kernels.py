@@ -31,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from _timing import (Bandwidth, BandwidthProbes, Timing, cache_rotation_count, format_table, machine_info, parallel_region_latency,
-                     time_interleaved)
+from _timing import (Bandwidth, BandwidthProbes, Timing, cache_rotation_count, format_table, machine_info,
+                     parallel_region_latency, time_interleaved)
 
 try:
     import apex_amp.ops as amp_ops
@@ -87,7 +87,7 @@ def default_reps(elements: int) -> int:
 
 
 # The patterns timed alongside every section's kernels: those that set the bound on the machines
-# measured so far (benchmarks/README.md). Four keep the run's extra time to about half a minute.
+# measured so far (benchmarks/README.md); four rather than all, to keep the run short.
 INTERLEAVED_PATTERNS = ("in place, torch mul_", "3 reads + 1 write in place, torch addcmul_",
                         "Adam's 4 reads + 3 writes (C++)", "read only, torch sum")
 
@@ -102,7 +102,8 @@ def run_section(section, ops, sizes, args, probes, deepspeed) -> tuple[list[Row]
         variants = {"adam": ["fp32"], "o2": list(HALF_DTYPES), "check": list(DTYPES)}[section]
         for dtype in variants:
             bytes_per_set = {"adam": 16, "o2": 16, "check": DTYPES[dtype].itemsize}[section] * elements
-            copies = 1 if args.hot_cache else cache_rotation_count(bytes_per_set, at_least_bytes=args.bandwidth_mb * 2**20)
+            copies = 1 if args.hot_cache else cache_rotation_count(bytes_per_set,
+                                                                   at_least_bytes=args.bandwidth_mb * 2**20)
             set_up_at = time.perf_counter()
             if section == "adam":
                 cases = adam_cases(ops, shapes, copies, gen, deepspeed)
