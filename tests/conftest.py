@@ -83,6 +83,16 @@ def one_thread():
 
 
 @pytest.fixture
+def process_group(tmp_path):
+    """A one-rank gloo process group in this process, for the in-process distributed tests."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def max_reductions(monkeypatch):
     """The MAX all-reduces issued through torch.distributed.all_reduce (amp's found-inf sync)."""
     calls = []

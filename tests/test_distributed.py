@@ -201,15 +201,6 @@ def test_check_fails_when_no_sync_passes_are_not_announced():
 # ---- in-process, world size 1: what scale_loss does under no_sync ---------------------------------
 
 
-@pytest.fixture
-def process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _ddp_o2(seed: int = 0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))

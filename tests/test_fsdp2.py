@@ -37,15 +37,6 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp.py"
 AGREE = "RESULT: all 2 ranks agree"
 
 
-@pytest.fixture
-def process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def make_model(norm: type = nn.LayerNorm) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 8), norm(8), nn.ReLU(), nn.Linear(8, 3))
