@@ -181,7 +181,8 @@ def test_amp_state_dict_has_apex_keys_and_round_trips():
     "corrupt, error, message",
     [
         (lambda s: s.pop("loss_scaler0"), ValueError, r"amp state has no loss scalers \(this run has \['loss_scaler0'\]\)"),
-        (lambda s: s["amp_config"].update(opt_level="O1"), ValueError, "saved with opt_level='O1'"),
+        (lambda s: s["loss_scaler0"]["amp_config"].update(opt_level="O1"), ValueError, "saved with opt_level='O1'"),
+        (lambda s: s.update(amp_config={"opt_level": "O1"}), ValueError, "saved with opt_level='O1'"),  # older format
         (lambda s: s["loss_scaler0"].update(loss_scale=-2.0), ValueError, "positive finite number"),
         (lambda s: s["loss_scaler0"].update(loss_scale=float("nan")), ValueError, "positive finite number"),
         (lambda s: s["loss_scaler0"].update(unskipped=-1), ValueError, "unskipped must be an integer >= 0"),

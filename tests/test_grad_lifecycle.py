@@ -122,7 +122,7 @@ def scenario_master_params_settles_scaled_gradients():
 
 
 def scenario_delayed_passes_continue_in_place_then_settle():
-    # IN_PASS -> DELAYED -> IN_PASS -> DELAYED -> (master_params) UNSCALED
+    # IN_PASS -> DELAYED -> IN_PASS -> DELAYED -> (settle) UNSCALED
     model, optimizer, g = setup("SGD", half_dtype=torch.float16)
     life = lifecycle(optimizer)
     backward(model, optimizer, g, delay_unscale=True)
@@ -136,7 +136,9 @@ def scenario_delayed_passes_continue_in_place_then_settle():
         optimizer.step()  # DELAYED has no step transition
     summed = weight.grad.float() / 65536.0
     master = life.params.links[0].master
-    amp.master_params(optimizer)
+    amp.master_params(optimizer)  # reads, as apex's: the accumulation stays scaled and unaccounted
+    assert life.state is S.DELAYED and master.grad is None and torch.equal(weight.grad.float() / 65536.0, summed)
+    life.settle()  # what a pass of another loss (or scale) does first
     assert life.state is S.UNSCALED
     torch.testing.assert_close(master.grad, summed)
 

@@ -182,7 +182,6 @@ from _misuse import assert_same, batch, sgd, small_model, snapshot
 from apex_amp import amp
 calls = {
     "scale_loss": lambda m, o: amp.scale_loss(m(batch()).sum(), o).__enter__(),
-    "master_params": lambda m, o: amp.master_params(o),
     "state_dict": lambda m, o: amp.state_dict(),
     "load_state_dict": lambda m, o: amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}}),
     "loss_scale": lambda m, o: amp.loss_scale(),
@@ -240,7 +239,6 @@ def test_optimizer_created_after_initialize_is_refused_by_scale_loss():
     model.eval()
     before = snapshot([model], [optimizer, late_optimizer])
     for call in (lambda: amp.scale_loss(model(batch()).sum(), late_optimizer).__enter__(),
-                 lambda: amp.master_params(late_optimizer),
                  lambda: amp.step_was_skipped(late_optimizer)):
         with pytest.raises(RuntimeError, match=r"got an optimizer \(SGD\) that amp.initialize never saw; pass every "
                                                r"optimizer to amp.initialize"):

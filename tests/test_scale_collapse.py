@@ -187,7 +187,7 @@ def test_the_count_survives_a_checkpoint_and_old_checkpoints_load(caplog):
     # A checkpoint from before the guard (no floor_overflow_streak) loads with the count at 0.
     model, optimizer = make_run(**options)
     old = {key: value for key, value in saved["loss_scaler0"].items() if key != "floor_overflow_streak"}
-    amp.load_state_dict({"loss_scaler0": old, "amp_config": saved["amp_config"]})
+    amp.load_state_dict({"loss_scaler0": old})
     assert amp.state_dict()["loss_scaler0"]["floor_overflow_streak"] == 0
     with pytest.raises(ValueError, match="floor_overflow_streak must be an integer >= 0, got -1"):
         amp.load_state_dict({"loss_scaler0": {**old, "floor_overflow_streak": -1}})

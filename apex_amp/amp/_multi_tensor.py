@@ -6,6 +6,10 @@ device-to-device copy, never a host sync) and fold each device's flag back
 into the caller's ``found_inf``. With one device they make exactly one op call.
 DTensors (FSDP2's sharded parameters and gradients) are replaced by this
 rank's shards: every op here is elementwise, so the shards are all it needs.
+Sparse COO gradients (``nn.Embedding(sparse=True)``) are replaced by their
+values, which is all a check, an unscale or a copy between two tensors of
+the same sparsity needs; adding sparse gradients with different indices
+(``axpby_``) goes through torch's sparse addition.
 """
 
 from __future__ import annotations
@@ -21,9 +25,14 @@ from .._dtensor import local_tensors
 __all__ = ["check_finite", "unscale_", "scale_", "axpby_"]
 
 
+def _dense(tensors: Sequence[Tensor]) -> list[Tensor]:
+    # The values of a sparse COO tensor are a dense view of its stored elements.
+    return [t._values() if t.is_sparse else t for t in local_tensors(tensors)]
+
+
 def _per_device(lists: Sequence[Sequence[Tensor]], found_inf: Tensor, call: Callable[..., None]) -> None:
     # call(device, flag, *lists_on_device)
-    lists = [local_tensors(lst) for lst in lists]
+    lists = [_dense(lst) for lst in lists]
     first = lists[0]
     if not first:
         return
@@ -52,4 +61,27 @@ def scale_(src: Sequence[Tensor], dst: Sequence[Tensor], scale: Tensor, found_in
 
 
 def axpby_(x: Sequence[Tensor], y: Sequence[Tensor], a: Tensor, b: float, found_inf: Tensor) -> None:
+    sparse = [i for i, (xi, yi) in enumerate(zip(x, y)) if xi.is_sparse or yi.is_sparse]
+    if sparse:
+        for i in sparse:
+            _sparse_axpby_(x[i], y[i], a, b, found_inf)
+        dense = [i for i in range(len(x)) if i not in set(sparse)]
+        x, y = [x[i] for i in dense], [y[i] for i in dense]
     _per_device([x, y], found_inf, lambda device, flag, xs, ys: ops.axpby_(xs, ys, a.to(device), b, flag))
+
+
+def _sparse_axpby_(x: Tensor, y: Tensor, a: Tensor, b: float, found_inf: Tensor) -> None:
+    # y = a * x + b * y where the two may store different elements; the check covers both, as axpby_'s.
+    if y.is_sparse and not x.is_sparse:
+        raise RuntimeError(
+            "amp cannot add a dense gradient to a sparse one in place (a parameter whose backward "
+            "passes produced a sparse and then a dense gradient); make every backward pass of it "
+            "produce the same kind (e.g. nn.Embedding(sparse=...) the same for every loss)"
+        )
+    scaled_x = x.to(y.dtype, copy=True)
+    unscale_([scaled_x], found_inf, a.to(torch.float32))
+    if b != 1.0:
+        unscale_([y], found_inf, torch.full((1,), b, device=y.device))
+    else:
+        check_finite([y], found_inf)
+    y.add_(scaled_x)

@@ -107,6 +107,7 @@ def scale_loss(
         )
     scaler = session.scalers[loss_id]
     session.flush_logs(check_collapse=True)  # raises once a loss scale has collapsed
+    session.loaded_values.forget()  # a resume's loads are done once training runs
     lifecycles = [session.lifecycle_of(optimizer) for optimizer in optimizer_list]
     session.follow_ddp_wrappers(model, lifecycles)  # once per wrapper: rank 0's masters
     local_accumulation = _skips_grad_sync(model) or session.accumulates_in_fsdp2()

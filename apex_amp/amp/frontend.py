@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import casting, sessions
+from .apex_private import attach_stash
 from .diagnostics import overflow
 from .distributed import check_sharded_models, distributed_ready, note_ddp_wrappers, overflow_group
 from .fsdp2 import refuse_late_sharding
@@ -57,6 +58,50 @@ def _check_fp32_params(models: list[nn.Module]) -> None:
                     f"parameter {name!r} of model {index} is already {param.dtype}; amp.initialize expects an "
                     "fp32 model and casts it itself. Remove the .half()/.to(dtype) call before amp.initialize"
                 )
+
+
+def _check_materialized(models: list[nn.Module]) -> None:
+    # A meta tensor has a shape but no data: casting it, or making a master from it, gives nothing
+    # to train, and the failure would surface later inside torch or a kernel.
+    for index, model in enumerate(models):
+        for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+            if tensor.is_meta:
+                raise ValueError(
+                    f"{name!r} of model {index} is on the meta device (a shape without data); amp.initialize "
+                    "needs real weights. Materialize the model first (model.to_empty(device=...), then "
+                    "initialize or load its weights), build the optimizer from its parameters, then call "
+                    "amp.initialize"
+                )
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _check_optimizers_train_the_models(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+    # An optimizer none of whose parameters belongs to a model given here, while a given model has
+    # trainable parameters in no optimizer: the optimizer was built over another model (or a copy),
+    # so amp would prepare one model and the step would update the other, whose gradients the
+    # training loop never produces. Free tensors trained beside the models (a temperature, a loss
+    # weight) in their own optimizer are fine as long as every given model is trained by some optimizer.
+    model_params = {p for model in models for p in model.parameters()}
+    optimizer_params = {p for optimizer in optimizers for p in _optimizer_params(optimizer)}
+    # An optimizer with no parameters yet (groups added later) is not foreign.
+    foreign = [index for index, optimizer in enumerate(optimizers)
+               if _optimizer_params(optimizer) and not any(p in model_params for p in _optimizer_params(optimizer))]
+    untrained = [index for index, model in enumerate(models)
+                 if any(p.requires_grad for p in model.parameters())
+                 and not any(p in optimizer_params for p in model.parameters())]
+    if foreign and untrained:
+        where = f"optimizers[{foreign[0]}]" if len(optimizers) > 1 else "the optimizer"
+        which = f"models[{untrained[0]}]" if len(models) > 1 else "the model"
+        raise ValueError(
+            f"{where} holds no parameter of the model(s) passed to amp.initialize, and {which} has trainable "
+            "parameters in no optimizer: the optimizer was built over another model (or a copy of it). "
+            "Build the optimizer from the parameters of the model you pass, e.g. "
+            "`optimizer = torch.optim.SGD(model.parameters(), ...)` and `amp.initialize(model, optimizer)`, "
+            "or pass the model whose parameters it holds"
+        )
 
 
 def _check_each_param_in_one_optimizer(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
@@ -221,7 +266,10 @@ def initialize(
     model_list = _as_model_list(models)
     optimizer_list = [] if optimizers is None else sessions.as_optimizer_list(optimizers)
     for optimizer in optimizer_list:
-        if sessions.session_for(optimizer) is not None:
+        earlier = sessions.session_for(optimizer)
+        # A disabled initialize did nothing to the optimizer: another call may follow, as in apex
+        # (mmengine calls amp.initialize(enabled=False) at every step).
+        if earlier is not None and earlier.enabled:
             raise RuntimeError(
                 f"this {type(optimizer).__name__} was already passed to amp.initialize; call amp.initialize "
                 "once per optimizer (create a fresh optimizer to start over)"
@@ -256,9 +304,11 @@ def initialize(
             f"overflow_report=True needs gradient checks, which {properties.opt_level} with a static loss "
             "scale leaves off; pass skip_nonfinite=True too (or use O1/O2)"
         )
+    _check_materialized(model_list)
     _check_fp32_params(model_list)
     _check_each_param_in_one_optimizer(model_list, optimizer_list)
     sharded_group, fsdp2 = check_sharded_models(model_list, optimizer_list, properties)
+    _check_optimizers_train_the_models(model_list, optimizer_list)
     # FSDP: each rank checks only its gradient shard, so the ranks must agree unless told otherwise.
     sync_group = sharded_group if sync_overflow is None else overflow_group(sync_overflow)
     if verbosity >= 1:
@@ -290,16 +340,19 @@ def initialize(
             output_dtype = torch.float32
         add_cast_hooks(model, model_dtype, output_dtype)
         if model_is_half:  # O2 and O3 (as apex): checkpoints hold fp32, the masters where there are any
-            add_fp32_state_dict_hooks(model, session.master_of)
+            add_fp32_state_dict_hooks(model, session)
         if properties.master_weights:
             if _world_size() > 1:
                 note_ddp_wrappers(model, session.ddp_wrappers)  # to follow DDP's broadcast, as apex did
     given = list(optimizers) if isinstance(optimizers, (list, tuple)) else [] if optimizers is None else [optimizers]
-    wrapped = {id(sessions.unwrap(o)) for o in given if not isinstance(o, torch.optim.Optimizer)}
+    wrapper_of = {id(sessions.unwrap(o)): o for o in given if not isinstance(o, torch.optim.Optimizer)}
     for optimizer in optimizer_list:
-        links = attach_masters(optimizer, fp32_values=fp32_values) if properties.master_weights else []
-        session.add_optimizer(optimizer, links, wrapped=id(optimizer) in wrapped)
-    del fp32_values
+        links = attach_masters(optimizer, fp32_value_of=lambda p: fp32_values.get(id(p))) \
+            if properties.master_weights else []
+        wrapper = wrapper_of.get(id(optimizer))
+        session.add_optimizer(optimizer, links, wrapped=wrapper is not None)
+        attach_stash(optimizer, session.lifecycle_of(optimizer), properties.master_weights, also_on=wrapper)
+    fp32_values.clear()  # the snapshots now live on as masters, or not at all
 
     if properties.patch_torch_functions:
         casting.activate(properties.half_dtype, allow_banned=properties.allow_banned)

@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from .master_weights import MasterLink, OptimizerParams, follow_model_layouts, reconcile_masters
+from .master_weights import Fp32ValueOf, MasterLink, OptimizerParams, follow_model_layouts, reconcile_masters
 
 __all__ = ["GradState", "PassScale", "GradLifecycle", "settle_for_pass"]
 
@@ -123,6 +123,7 @@ class _OpenStep:
     resumes: GradState  # where an interrupted step returns
     hidden: list[tuple[Tensor, Tensor]]  # (param, grad) hidden from a skipped non-fused step
     undo: Optional[Callable[[], None]]  # the step hooks' own clean-up, should the step raise
+    running: Callable[[], bool]  # whether optimizer.step() is still on the stack (False: it raised)
 
 
 # account_pass(loss_id, found_inf, lifecycles, inv_scale): the session's accounting of a checked pass.
@@ -141,12 +142,13 @@ class GradLifecycle:
         account_pass: accounts a DELAYED accumulation's pass when it is finally checked.
         wrapped: the user passed a wrapper (LARC) whose step reads the gradients before this
             optimizer's: they are then never kept scaled.
+        fp32_value_of: exact fp32 values known for the parameters of groups added later.
     """
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, links: list[MasterLink], *, device: torch.device,
         make_masters: bool, on_new_links: Callable[[list[MasterLink]], None], account_pass: AccountPass,
-        wrapped: bool = False,
+        wrapped: bool = False, fp32_value_of: Optional[Fp32ValueOf] = None,
     ) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._device = device
@@ -155,7 +157,8 @@ class GradLifecycle:
         self.takes_step_kwargs = bool(getattr(type(optimizer), "_apex_amp_step_kwargs", False))
         # Gradients may stay scaled until the step only if nothing reads them before it.
         self.keeps_scaled = self.takes_step_kwargs and not wrapped
-        self.params = OptimizerParams(optimizer, links, make_masters=make_masters, on_new_links=on_new_links)
+        self.params = OptimizerParams(optimizer, links, make_masters=make_masters, on_new_links=on_new_links,
+                                      fp32_value_of=fp32_value_of)
         self.state = GradState.EMPTY
         self.steps = 0  # optimizer.step() calls, taken or skipped
         self.kept_scale: Optional[PassScale] = None  # SCALED, DELAYED, SPENT: the scale the kept gradients carry
@@ -177,6 +180,10 @@ class GradLifecycle:
         self.state = to
 
     # ---- queries --------------------------------------------------------------------
+    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The optimizer whose gradients this is (None once it has been freed)."""
+        return self._optimizer()
+
     def must_settle_before(self, key: tuple[int, int]) -> bool:
         """Whether a pass with scale ``key`` must first turn the kept gradients into true values."""
         if self.state is GradState.DELAYED:
@@ -229,6 +236,11 @@ class GradLifecycle:
             raise RuntimeError(
                 "amp.scale_loss was entered for an optimizer whose previous amp.scale_loss block has not exited; "
                 "run one backward pass per block, one block after the other"
+            )
+        if self.state is GradState.IN_STEP:
+            raise RuntimeError(
+                "amp.scale_loss was entered while optimizer.step() of the same optimizer runs (from a step "
+                "hook or a subclass's step?); run the backward pass before optimizer.step(), not inside it"
             )
         self.sync_params()
         self._reconcile_masters_once()
@@ -306,8 +318,8 @@ class GradLifecycle:
         """Turn kept scaled gradients into true values: SCALED/DELAYED -> UNSCALED, SPENT -> EMPTY.
 
         A DELAYED accumulation was never checked: its pass is accounted now, for its own loss.
-        Called before a pass of another scale, by ``amp.master_params`` (clipping needs true values)
-        and by the diagnostics; a no-op in the other states.
+        Called before a pass of another scale, before a step, by ``prepare_to_read`` (SCALED and
+        SPENT only) and by the diagnostics; a no-op in the other states, and inside a running step.
         """
         self._recover_interrupted_step()
         kept = self.kept_scale
@@ -334,6 +346,19 @@ class GradLifecycle:
             self._move(GradState.UNSCALED)
             if kept.checked:
                 self._account_pass(kept.loss_id, found_inf, [self], kept.inv_scale)
+
+    def prepare_to_read(self) -> None:
+        """``amp.master_params``: make the gradients a reader finds on the optimizer's params true values.
+
+        Between a pass and a step: takes in added param groups and settles gradients kept scaled
+        for a fused step (the step then computes the same update). Inside a ``scale_loss`` block,
+        inside ``optimizer.step()`` or during a ``delay_unscale`` accumulation it changes nothing:
+        the reader sees what the step will see, or apex's still-scaled gradients. Never accounts
+        a pass or changes a skip.
+        """
+        self.take_in_param_groups()
+        if self.state in (GradState.SCALED, GradState.SPENT):
+            self.settle()
 
     def _scratch_flag(self) -> Tensor:
         return torch.zeros(1, device=self._device)
@@ -363,7 +388,8 @@ class GradLifecycle:
             if grad is None:
                 continue
             if link.master.grad is None:
-                link.master.grad = torch.empty_like(link.master)
+                # A sparse gradient gets a sparse master gradient of the same stored elements.
+                link.master.grad = grad.to(torch.float32) if grad.is_sparse else torch.empty_like(link.master)
                 src.append(grad)
                 dst.append(link.master.grad)
             else:
@@ -390,11 +416,12 @@ class GradLifecycle:
         torch.maximum(found_inf, unreported.to(found_inf.device), out=found_inf)
 
     # ---- around optimizer.step() ---------------------------------------------------------
-    def before_step(self, undo: Optional[Callable[[], None]]) -> Optional[dict]:
+    def before_step(self, undo: Optional[Callable[[], None]], running: Callable[[], bool]) -> Optional[dict]:
         """The step pre-hook's part: what the step gets, and the skip of a non-fused step.
 
         Returns the extra keyword arguments of a ``takes_step_kwargs`` optimizer's step (None for
-        others, whose skip is decided here on the host). ``undo`` runs if the step raises.
+        others, whose skip is decided here on the host). ``undo`` runs if the step raises;
+        ``running`` tells whether the step is still under way (False once it has raised).
         """
         self._recover_interrupted_step()
         if self.state is GradState.IN_PASS:
@@ -433,7 +460,7 @@ class GradLifecycle:
                 if p.grad is not None:
                     hidden.append((p, p.grad))
                     p.grad = None
-        self._open_step = _OpenStep(self.state, hidden, undo)
+        self._open_step = _OpenStep(self.state, hidden, undo, running)
         self._move(GradState.IN_STEP)
         return step_kwargs
 
@@ -458,8 +485,9 @@ class GradLifecycle:
         return bool(opened.hidden)
 
     def _recover_interrupted_step(self) -> None:
-        # optimizer.step() raised between the hooks: undo what before_step did.
-        if self.state is not GradState.IN_STEP:
+        # optimizer.step() raised between the hooks: undo what before_step did. A step still under
+        # way (amp called from a step hook or from inside the step) is left alone: its skip stands.
+        if self.state is not GradState.IN_STEP or self._open_step.running():
             return
         opened, self._open_step = self._open_step, None
         for p, grad in opened.hidden:
@@ -495,6 +523,17 @@ class GradLifecycle:
     def sync_params(self) -> None:
         """Take in param groups added since ``initialize`` (``add_param_group``)."""
         self.params.sync(self._optimizer())
+
+    def take_in_param_groups(self) -> None:
+        """Before a ``load_state_dict``: give groups added since their masters, as apex's ``add_param_group`` did.
+
+        So that the optimizer's loaded state lands on the fp32 masters (not cast to half on the
+        model's parameters) and the model's loaded weights reach the masters exactly. Not inside
+        a pass or a step, where the parameters must stay as they are.
+        """
+        self._recover_interrupted_step()
+        if self.state not in (GradState.IN_PASS, GradState.IN_STEP):
+            self.sync_params()
 
     def _reconcile_masters_once(self) -> None:
         if not self._masters_reconciled:

@@ -34,6 +34,10 @@ BACKOFF_FACTOR = 0.5
 _STATE_KEYS = ("loss_scale", "unskipped", "hysteresis_tracker", "dynamic", "overflows", "floor_overflow_streak")
 
 
+def _valid_scale(scale: Any) -> bool:
+    return not isinstance(scale, bool) and isinstance(scale, (int, float)) and SMALLEST_SCALE <= scale <= LARGEST_SCALE
+
+
 class LossScaler:
     """The scale of one loss, its growth/hysteresis trackers and its overflow log.
 
@@ -195,9 +199,7 @@ class LossScaler:
                 f"{'dynamic' if self.dynamic else 'static'}; initialize with the same opt_level and loss_scale"
             )
         scale = state["loss_scale"]
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
-            SMALLEST_SCALE <= scale <= LARGEST_SCALE
-        ):
+        if not _valid_scale(scale):
             raise ValueError(
                 f"amp state {name!r}: loss_scale must be a positive finite number, got {scale!r} (a normal "
                 f"float32 value, in [{SMALLEST_SCALE:g}, {LARGEST_SCALE:g}]); the checkpoint is corrupted"
@@ -218,7 +220,33 @@ class LossScaler:
         self.hysteresis_tracker.fill_(counters["hysteresis_tracker"])
         self.overflows.fill_(counters["overflows"])
         self.log.restore_floor_streak(counters["floor_overflow_streak"])
+        self._scale_changed(scale)
+
+    def _scale_changed(self, scale: float) -> None:
+        # Gradients kept scaled by earlier passes carry the old scale (and hold its inv_scale
+        # tensor, which is therefore replaced, not overwritten).
         self.scale_epoch += 1
         if not self.dynamic:
             self.static_value = scale
-            self._static_inv_scale.fill_(1.0 / scale)
+            self._static_inv_scale = torch.full((1,), 1.0 / scale, device=self.device)
+
+    # apex's LossScaler attributes, which clients set (amp._amp_state; apex_private.py).
+    def set_scale(self, scale: float) -> None:
+        """Set the scale now (apex's ``_loss_scale = ...``): a dynamic one goes on adapting from it."""
+        if not _valid_scale(scale):
+            raise ValueError(
+                f"loss scaler {self.loss_id}: the loss scale must be a positive finite number (a normal float32 "
+                f"value, in [{SMALLEST_SCALE:g}, {LARGEST_SCALE:g}]), got {scale!r}"
+            )
+        self.log.flush(block=True)
+        self.scale.fill_(float(scale))
+        self._scale_changed(float(scale))
+
+    def clean_steps(self) -> int:
+        """Clean steps since the scale last changed (apex's ``_unskipped``; a host read)."""
+        return int(self.growth_tracker.item())
+
+    def set_clean_steps(self, count: int) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"loss scaler {self.loss_id}: _unskipped must be an integer >= 0, got {count!r}")
+        self.growth_tracker.fill_(count)

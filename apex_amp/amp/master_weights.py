@@ -13,6 +13,12 @@ model's half weights, so weights changed between ``initialize`` and the first
 backward (by the user, or by DistributedDataParallel's broadcast) were picked
 up. :func:`mismatched_links` finds such changes and :func:`adopt_model_weights`
 takes them over; the gradient lifecycle does both once, before the first pass.
+
+Param groups added after ``initialize`` get masters the next time amp looks
+(a pass, a step, ``amp.master_params``) or before a ``load_state_dict`` of the
+model or the optimizer, from the exact fp32 value where one is known
+(:class:`LoadedValues`: what ``model.load_state_dict`` loaded into the half
+parameter), so a resume that re-adds a group continues bit for bit.
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ from typing import Callable, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._dtypes import HALF_DTYPES
 
 __all__ = [
-    "MasterLink", "OptimizerParams", "attach_masters", "mismatched_links", "adopt_model_weights", "reconcile_masters",
+    "MasterLink", "LoadedValues", "OptimizerParams", "attach_masters", "mismatched_links", "adopt_model_weights", "reconcile_masters",
     "follow_model_layouts",
 ]
 
@@ -52,32 +59,34 @@ def _move_state(optimizer: torch.optim.Optimizer, old: Tensor, new: Tensor) -> N
     }
 
 
+# The exact fp32 value a master of this half parameter should start from (a private copy), or None.
+Fp32ValueOf = Callable[[Tensor], Optional[Tensor]]
+
+
 def attach_masters(
     optimizer: torch.optim.Optimizer,
     first_group: int = 0,
-    fp32_values: Optional[Mapping[int, Tensor]] = None,
+    fp32_value_of: Optional[Fp32ValueOf] = None,
 ) -> list[MasterLink]:
     """Replace the half params of ``optimizer.param_groups[first_group:]`` by fp32 masters.
 
     Args:
         optimizer: the user's optimizer, edited in place.
         first_group: index of the first param group to process (later add_param_group calls).
-        fp32_values: fp32 values of parameters taken before the model was cast,
-            keyed by ``id(param)``, so masters start from the user's exact weights
-            rather than from their half rounding.
+        fp32_value_of: the exact fp32 value of a parameter where one is known (taken before
+            the model was cast, or loaded by ``model.load_state_dict``), as a private copy,
+            so masters start from the user's exact weights rather than from their half rounding.
 
     Returns:
         The new links, in param-group order.
     """
     links = []
-    fp32_values = fp32_values or {}
     for group in optimizer.param_groups[first_group:]:
         params = group["params"]
         for index, param in enumerate(params):
             if param.dtype not in HALF_DTYPES:
                 continue
-            source = fp32_values.get(id(param))
-            # The snapshot is already a private fp32 copy; otherwise upcast the half values.
+            source = fp32_value_of(param) if fp32_value_of is not None else None
             data = source if source is not None else param.detach().to(torch.float32)
             master = nn.Parameter(data, requires_grad=param.requires_grad)
             params[index] = master
@@ -160,6 +169,37 @@ def reconcile_masters(links: list[MasterLink]) -> None:
     )
 
 
+class LoadedValues:
+    """fp32 values ``model.load_state_dict`` gave half parameters that have no master yet.
+
+    A resume may load the model before it re-adds a param group (``add_param_group``); the
+    group's masters are made afterwards and must start from the checkpoint's fp32 values, not
+    from their half rounding, for the run to continue bit for bit. The loaded tensors are
+    referenced, not copied, and forgotten at the next backward pass.
+    """
+
+    def __init__(self) -> None:
+        self._values = WeakIdKeyDictionary()  # half model param -> the fp32 tensor loaded into it
+
+    def remember(self, param: Tensor, value: Tensor) -> None:
+        if value.dtype == torch.float32 and param.dtype in HALF_DTYPES and value.shape == param.shape:
+            self._values[param] = value
+
+    def take(self, param: Tensor) -> Optional[Tensor]:
+        """A private fp32 copy of the value loaded into ``param``, if ``param`` still holds its rounding."""
+        value = self._values.pop(param, None)
+        if value is None:
+            return None
+        with torch.no_grad():
+            if not _same_values(value.to(device=param.device, dtype=param.dtype), param):
+                return None  # the weight was changed after the load: start from the weight
+            return torch.empty_like(param, dtype=torch.float32).copy_(value)
+
+    def forget(self) -> None:
+        if len(self._values):
+            self._values = WeakIdKeyDictionary()
+
+
 class OptimizerParams:
     """The parameters of one optimizer as amp sees them: master links and direct parameters.
 
@@ -167,12 +207,14 @@ class OptimizerParams:
         links: the masters ``initialize`` attached (empty below O2).
         make_masters: whether param groups added later get masters too (O2).
         on_new_links: called with the links of groups added later.
+        fp32_value_of: the exact fp32 values known for parameters of groups added later.
     """
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, links: list[MasterLink], make_masters: bool,
-        on_new_links: Callable[[list[MasterLink]], None],
+        on_new_links: Callable[[list[MasterLink]], None], fp32_value_of: Optional[Fp32ValueOf] = None,
     ) -> None:
+        self._fp32_value_of = fp32_value_of
         self.links: list[MasterLink] = []
         self.model_param_of: dict[Tensor, Tensor] = {}  # master -> its half model param
         self.direct: list[Tensor] = []  # optimizer params updated through their own .grad
@@ -198,7 +240,8 @@ class OptimizerParams:
         """Take in groups added by ``add_param_group`` since the last call; returns how many links were added."""
         if len(optimizer.param_groups) == self._num_groups:
             return 0
-        new_links = attach_masters(optimizer, first_group=self._num_groups) if self._make_masters else []
+        new_links = (attach_masters(optimizer, first_group=self._num_groups, fp32_value_of=self._fp32_value_of)
+                     if self._make_masters else [])
         self._add_links(new_links)
         self._refresh(optimizer)
         return len(new_links)

@@ -14,7 +14,7 @@ its identity and type and can be wrapped (DDP, torch.compile) afterwards:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -25,8 +25,17 @@ from .._dtypes import HALF_DTYPES, map_tensors
 
 __all__ = ["cast_model_", "cast_floating_tensors", "add_cast_hooks", "add_fp32_state_dict_hooks"]
 
-# Returns the fp32 master of a model parameter, or None when it has none.
-MasterLookup = Callable[[Tensor], Optional[Tensor]]
+class MasterStore(Protocol):
+    """Where a half model's masters are found (the session)."""
+
+    def master_of(self, param: Tensor) -> Optional[Tensor]:
+        """The fp32 master of a model parameter, or None when it has none."""
+
+    def before_model_load(self) -> None:
+        """Called before a ``load_state_dict`` of the model copies anything."""
+
+    def loaded_without_master(self, param: Tensor, value: Tensor) -> None:
+        """The fp32 ``value`` loaded into a half ``param`` that has no master."""
 
 
 def cast_model_(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool, cast_params: bool = True) -> None:
@@ -46,11 +55,22 @@ def cast_model_(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool,
 
 
 def cast_floating_tensors(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating tensor cast to ``dtype``, through lists, tuples and dicts.
+    """``value`` with every floating tensor cast to ``dtype``, through lists, tuples and mappings.
 
-    Non-floating tensors and other objects are returned as they are.
+    apex's protocol for custom batch types: any other object with a ``to``
+    method (not a module) is replaced by ``obj.to(dtype)``, so a batch class
+    casts its own floating fields. Non-floating tensors and other objects are
+    returned as they are.
     """
-    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
+    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t,
+                       on_object=lambda obj: _cast_custom_batch(obj, dtype))
+
+
+def _cast_custom_batch(obj: Any, dtype: torch.dtype) -> Any:
+    # A module passed to forward is not data: .to(dtype) would cast its weights in place.
+    if isinstance(obj, nn.Module) or not callable(getattr(obj, "to", None)):
+        return obj
+    return obj.to(dtype)
 
 
 def add_cast_hooks(
@@ -79,12 +99,13 @@ def _named_params_under(module: nn.Module, prefix: str) -> dict[str, Tensor]:
     return dict(module.named_parameters(prefix=base, remove_duplicate=False))
 
 
-def add_fp32_state_dict_hooks(model: nn.Module, master_of: MasterLookup) -> list[RemovableHandle]:
+def add_fp32_state_dict_hooks(model: nn.Module, masters: MasterStore) -> list[RemovableHandle]:
     """Make ``model.state_dict()`` fp32 (masters for mastered params) and loads refresh the masters.
 
     For every model cast to half (O2 and O3, as apex did): a checkpoint holds fp32 values, so
     it loads into an fp32 model, and a half model rounds them when it loads them.
     """
+    master_of = masters.master_of
 
     def fp32_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         params = _named_params_under(module, prefix)
@@ -101,13 +122,17 @@ def add_fp32_state_dict_hooks(model: nn.Module, master_of: MasterLookup) -> list
     def load_into_masters(module: nn.Module, state_dict: dict, prefix: str, *unused: Any) -> None:
         # Runs before torch copies the values into the (half) parameters, so the
         # masters get the exact fp32 values and the model their rounding.
+        masters.before_model_load()
         with torch.no_grad():
             for key, param in _named_params_under(module, prefix).items():
                 master = master_of(param)
                 value = state_dict.get(key)
-                if master is None or not isinstance(value, Tensor) or value.shape != master.shape:
+                if not isinstance(value, Tensor):
                     continue  # torch reports missing or mismatched entries itself
-                master.copy_(value)
+                if master is None:
+                    masters.loaded_without_master(param, value)
+                elif value.shape == master.shape:
+                    master.copy_(value)
 
     return [
         model.register_state_dict_post_hook(fp32_state_dict),

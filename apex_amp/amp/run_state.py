@@ -63,10 +63,15 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Paramet
     """The parameters ``optimizer`` really updates: the fp32 masters under O2, the model's otherwise.
 
     After ``scale_loss`` exits their gradients are unscaled, so they are the
-    ones to clip.
+    ones to clip. Safe anywhere, as apex's plain generator over
+    ``param_groups`` was: before ``initialize`` and for an optimizer amp never
+    saw it yields the optimizer's own parameters; inside ``optimizer.step()``
+    (a step hook, a grad-norm logger), inside a ``scale_loss`` block or between
+    ``delay_unscale=True`` passes it changes nothing and yields the parameters
+    as the step will read them. It never changes whether a step is skipped.
 
     Args:
-        optimizer: an optimizer returned by ``amp.initialize``.
+        optimizer: an optimizer (one returned by ``amp.initialize``, or any other).
 
     Example::
 
@@ -76,12 +81,10 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Paramet
         >>> optimizer.step()
     """
     optimizer = sessions.one_optimizer(optimizer, "master_params")
-    # Before initialize (or for another optimizer) the params would not be the masters.
-    session = sessions.find_session([optimizer], "master_params")
-    if session.enabled:
-        lifecycle = session.lifecycle_of(optimizer)
-        lifecycle.sync_params()
-        lifecycle.settle()  # gradients kept scaled for a fused step: clipping needs the true values now
+    session = sessions.session_for(optimizer)
+    if session is not None and session.enabled:
+        # Gradients kept scaled for a fused step: clipping needs the true values now.
+        session.lifecycle_of(optimizer).prepare_to_read()
     return iter([p for group in optimizer.param_groups for p in group["params"]])
 
 

@@ -21,13 +21,15 @@ from . import distributed
 from .fsdp2 import ShardedModels
 from .gradients import GradLifecycle
 from .loss_scaler import LossScaler
-from .master_weights import MasterLink
+from .master_weights import LoadedValues, MasterLink
 from .opt_levels import AmpProperties
 from .step_hooks import StepHooks
 
 __all__ = ["AmpSession"]
 
 logger = logging.getLogger("apex_amp")
+
+_CONFIG_KEY = "amp_config"  # the settings a checkpoint was saved with (see AmpSession.state_dict)
 
 
 class AmpSession:
@@ -64,6 +66,7 @@ class AmpSession:
             ]
         self.lifecycles: "weakref.WeakKeyDictionary[torch.optim.Optimizer, GradLifecycle]" = weakref.WeakKeyDictionary()
         self._master_of = WeakIdKeyDictionary()  # half model param -> fp32 master
+        self.loaded_values = LoadedValues()  # fp32 values loaded into half params without a master yet
         # DistributedDataParallel wrappers the models ran under (noted by a forward pre-hook), and
         # for each wrapper the lifecycles whose masters were synchronised over it (distributed.py).
         # A list, in the order the forwards met them: every rank broadcasts in that same order.
@@ -81,16 +84,31 @@ class AmpSession:
     def master_of(self, param: Tensor) -> Optional[Tensor]:
         return self._master_of.get(param)
 
+    # model.load_state_dict of a half model (model_casting.add_fp32_state_dict_hooks).
+    def before_model_load(self) -> None:
+        """Give param groups added since ``initialize`` their masters, so the load reaches them."""
+        for lifecycle in list(self.lifecycles.values()):
+            lifecycle.take_in_param_groups()
+
+    def loaded_without_master(self, param: Tensor, value: Tensor) -> None:
+        """A loaded fp32 ``value`` of a half ``param`` with no master: a master made later starts from it."""
+        if self.properties.master_weights:
+            self.loaded_values.remember(param, value)
+
     # ---- optimizers ---------------------------------------------------------
     def add_optimizer(self, optimizer: torch.optim.Optimizer, links: list[MasterLink], wrapped: bool = False) -> None:
         lifecycle = GradLifecycle(
             optimizer, links, device=self.device, make_masters=bool(self.properties.master_weights),
             on_new_links=self.register_masters, account_pass=self.account_pass, wrapped=wrapped,
+            fp32_value_of=self.loaded_values.take,
         )
         self.lifecycles[optimizer] = lifecycle
         # Kept alive by the hooks it registers on the optimizer.
         StepHooks(optimizer, lifecycle, flush_logs=self.flush_logs,
                   casts_off_in_step=self.properties.patch_torch_functions)
+        # optimizer.load_state_dict casts each loaded state to its parameter's dtype: a group added
+        # since initialize must hold its fp32 masters by then, or its moments would be rounded to half.
+        optimizer.register_load_state_dict_pre_hook(lambda _optimizer, _state: lifecycle.take_in_param_groups())
 
     def lifecycle_of(self, optimizer: torch.optim.Optimizer) -> GradLifecycle:
         return self.lifecycles[optimizer]
@@ -154,16 +172,22 @@ class AmpSession:
                 scaler.log.raise_if_collapsed()
 
     # ---- checkpoints ----------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        if not self.enabled:
-            return {}
-        state: dict[str, Any] = {f"loss_scaler{i}": scaler.state_dict() for i, scaler in enumerate(self.scalers)}
-        state["amp_config"] = {
+    # The settings a checkpoint was saved with ride inside each loss scaler's entry: NVIDIA apex's
+    # amp.load_state_dict raises on any top-level key without "loss_scaler" in its name and reads
+    # only "loss_scale" and "unskipped" from each entry, so this format loads there too. Older
+    # checkpoints of ours carry the same dict at the top level; both load here.
+    def _config(self) -> dict[str, Any]:
+        return {
             "opt_level": self.properties.opt_level,
             "half_dtype": str(self.properties.half_dtype),
             "num_losses": self.properties.num_losses,
         }
-        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.enabled:
+            return {}
+        return {f"loss_scaler{i}": {**scaler.state_dict(), _CONFIG_KEY: self._config()}
+                for i, scaler in enumerate(self.scalers)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if not isinstance(state_dict, Mapping):
@@ -171,12 +195,12 @@ class AmpSession:
         if not self.enabled:
             return
         expected = {f"loss_scaler{i}" for i in range(len(self.scalers))}
-        given = set(state_dict) - {"amp_config"}
+        given = set(state_dict) - {_CONFIG_KEY}
         foreign = sorted(str(key) for key in given if not re.fullmatch(r"loss_scaler\d+", str(key)))
         if foreign:
             raise ValueError(
                 f"amp.load_state_dict got keys {foreign}, which amp.state_dict() never writes (it writes "
-                f"{sorted(expected)} and 'amp_config'); pass the amp part of the checkpoint, e.g. "
+                f"{sorted(expected)}); pass the amp part of the checkpoint, e.g. "
                 "amp.load_state_dict(checkpoint['amp']), not the whole checkpoint"
             )
         if not given:
@@ -193,24 +217,35 @@ class AmpSession:
                 f", skipping {sorted(given - expected)}" if given - expected else "",
                 f", {sorted(expected - given)} keep their current state" if expected - given else "",
             )
-        config = state_dict.get("amp_config")
-        if config is not None and not isinstance(config, Mapping):
-            raise TypeError(
-                f"amp state 'amp_config' must be a dict, got {type(config).__name__}; "
-                "was the checkpoint saved by amp.state_dict()?"
-            )
-        if config is not None:
-            mine = {"opt_level": self.properties.opt_level, "half_dtype": str(self.properties.half_dtype)}
-            for key, value in mine.items():
-                if config.get(key) != value:
-                    raise ValueError(
-                        f"amp state was saved with {key}={config.get(key)!r} but this run uses {key}={value!r}; "
-                        "initialize with the settings of the run that saved the checkpoint"
-                    )
+        configs = [("amp state", state_dict.get(_CONFIG_KEY))]
+        entries = {}
+        for key in sorted(given):
+            entry = state_dict[key]
+            if isinstance(entry, Mapping) and _CONFIG_KEY in entry:
+                configs.append((f"amp state {key!r}", entry[_CONFIG_KEY]))
+                entry = {name: value for name, value in entry.items() if name != _CONFIG_KEY}
+            entries[key] = entry
+        for where, config in configs:
+            self._check_config(where, config)
         # Validate every scaler before changing any, so a bad entry changes nothing.
-        loaded = [(scaler, state_dict[f"loss_scaler{i}"]) for i, scaler in enumerate(self.scalers)
-                  if f"loss_scaler{i}" in state_dict]
+        loaded = [(scaler, entries[f"loss_scaler{i}"]) for i, scaler in enumerate(self.scalers)
+                  if f"loss_scaler{i}" in entries]
         for scaler, state in loaded:
             scaler.checked_state(state)
         for scaler, state in loaded:
             scaler.load_state_dict(state)
+
+    def _check_config(self, where: str, config: Any) -> None:
+        if config is None:
+            return  # apex's checkpoints carry no settings
+        if not isinstance(config, Mapping):
+            raise TypeError(
+                f"{where}: {_CONFIG_KEY!r} must be a dict, got {type(config).__name__}; "
+                "was the checkpoint saved by amp.state_dict()?"
+            )
+        for key, value in self._config().items():
+            if key != "num_losses" and config.get(key) != value:
+                raise ValueError(
+                    f"amp state was saved with {key}={config.get(key)!r} but this run uses {key}={value!r}; "
+                    "initialize with the settings of the run that saved the checkpoint"
+                )

@@ -1,8 +1,10 @@
 """How amp finds its state: the one place that maps user objects to sessions.
 
 Each ``amp.initialize`` call makes one :class:`~apex_amp.amp.session.AmpSession`,
-which owns everything of that call. Nothing is stored on the user's objects:
-this module keeps, written only by ``initialize``,
+which owns everything of that call. Nothing of amp's state is stored on the
+user's objects (the one attribute amp sets, apex's ``optimizer._amp_stash``, is
+a view that third-party code probes; see ``apex_private.py``): this module
+keeps, written only by ``initialize``,
 
 * each optimizer's session (weakly, by identity), so ``scale_loss(loss,
   optimizer)`` and the other calls that take an optimizer find it;

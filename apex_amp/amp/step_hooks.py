@@ -80,10 +80,13 @@ class StepHooks:
             self._casts_off.__exit__(None, None, None)
             self._casts_off = None
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
+    def _step_running(self) -> bool:
         # A step still "in progress" whose frame has left the stack raised: the lifecycle undoes it.
-        # Compiled code has no frames to look at: there, a step in progress is taken as nested.
-        if self._in_step and (self._step_frame is None or _on_stack(self._step_frame)):
+        # Compiled code has no frames to look at: there, a step in progress is taken as running.
+        return self._in_step and (self._step_frame is None or _on_stack(self._step_frame))
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
+        if self._step_running():
             self._nested += 1  # super().step() inside a subclass's step: amp's part is done already
             return None if self._step_kwargs is None else (args, {**kwargs, **self._step_kwargs})
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
@@ -94,7 +97,8 @@ class StepHooks:
                 "backward inside `with amp.scale_loss(loss, optimizer) as scaled_loss:`, then optimizer.step()"
             )
         self._flush_logs()
-        step_kwargs = self.lifecycle.before_step(undo=self._end_step)  # recovers a step that raised
+        # Recovers a step that raised.
+        step_kwargs = self.lifecycle.before_step(undo=self._end_step, running=self._step_running)
         frame = None if torch.compiler.is_compiling() else sys._getframe(1)
         self._in_step, self._step_frame, self._nested, self._step_kwargs = True, frame, 0, step_kwargs
         if self._casts_off_in_step:

@@ -39,6 +39,7 @@ from . import _unavailable  # noqa: E402
 # `import apex.amp` and `from apex.amp import scale_loss` must reach apex_amp.amp itself, not a
 # second copy; the finder refuses apex.amp's submodules for the same reason.
 sys.modules[__name__ + ".amp"] = amp
+sys.modules[__name__ + ".amp._amp_state"] = amp._amp_state  # apex's state object, read and set by clients
 _unavailable.install_finder()
 
 from . import optimizers, parallel  # noqa: E402

@@ -106,16 +106,12 @@ _AMP_SUBMODULE = (
     "whose public API (initialize, scale_loss, master_params, state_dict, load_state_dict, disable_casts, "
     "register_*_function, ...) is imported from apex.amp itself"
 )
-_AMP_STATE = (
-    "apex.amp._amp_state is NVIDIA apex's internal state and is not provided: read the loss scale with "
-    "apex.amp.loss_scale(loss_id) and save or restore it with apex.amp.state_dict() / load_state_dict()"
-)
 
-
-# NVIDIA apex's amp modules. `from apex.amp import _amp_state` looks for `apex_amp.amp._amp_state`
+# NVIDIA apex's amp modules. `from apex.amp import scaler` looks for `apex_amp.amp.scaler`
 # (Python uses the module's own name), so the finder answers for these under apex_amp.amp too,
-# but only while apex_amp has no real module of that name.
-APEX_AMP_MODULES = ("_amp_state", "_initialize", "_process_optimizer", "amp", "compat", "lists", "opt",
+# but only while apex_amp has no real module of that name (it has `_amp_state`, apex's state
+# object, which third-party code reads and sets).
+APEX_AMP_MODULES = ("_initialize", "_process_optimizer", "amp", "compat", "lists", "opt",
                     "rnn_compat", "scaler", "utils", "wrap")
 
 
@@ -132,8 +128,6 @@ def _apex_amp_submodule(fullname: str) -> Optional[str]:
 def message_for(fullname: str) -> Optional[str]:
     """The message for an unavailable module or name (dotted), or None if it is not listed."""
     amp_module = _apex_amp_submodule(fullname)
-    if amp_module == "_amp_state":
-        return _AMP_STATE
     if amp_module is not None:
         return _AMP_SUBMODULE.format(name="apex.amp." + fullname.split(".amp.", 1)[1])
     if fullname in UNAVAILABLE_NAMES:
@@ -182,7 +176,7 @@ class UnavailableFinder(importlib.abc.MetaPathFinder):
         if fullname.startswith("apex_amp.") and importlib.machinery.PathFinder.find_spec(fullname, path) is not None:
             return None  # apex_amp's own module of that name: never stand in its way
         if fullname in UNAVAILABLE_NAMES or fullname.startswith("apex_amp."):
-            # `from apex.optimizers import FusedLAMB` (or `from apex.amp import _amp_state`) ends
+            # `from apex.optimizers import FusedLAMB` (or `from apex.amp import scaler`) ends
             # here after the attribute lookup failed; a ModuleNotFoundError would be swallowed by
             # that import and replaced by Python's generic "cannot import name", so this one is a
             # plain ImportError.

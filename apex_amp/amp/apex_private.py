@@ -1,0 +1,212 @@
+"""apex's private surface that third-party code probes: ``optimizer._amp_stash`` and ``amp._amp_state``.
+
+NVIDIA apex kept its state on the user's objects and in a module-level
+object, and code written for it reads them:
+
+* ``hasattr(optimizer, "_amp_stash")`` is how mmengine's ``ApexOptimWrapper``
+  and the Hugging Face Trainer tell whether ``amp.initialize`` has run (mmengine
+  initializes again, every step, while it is missing);
+* NVIDIA's BERT recipes resume with ``optimizer._lazy_init_maybe_master_weights()``
+  and ``optimizer._amp_stash.lazy_init_called = True``, and set
+  ``amp._amp_state.loss_scalers[0]._loss_scale = 2**20`` after ``initialize``;
+* loggers read ``amp._amp_state.loss_scalers[i].loss_scale()`` and
+  ``amp._amp_state.opt_properties.options``.
+
+Here these are views: an ``initialize`` with ``enabled=True`` puts an
+:class:`AmpStash` on each optimizer (the one attribute apex_amp sets on a user
+object, with the two lazy-init entry points apex's clients call), and
+``amp._amp_state`` reads the latest session. They hold no state of their own:
+every value is read from, or written through, the session that owns it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from . import sessions
+from .gradients import GradLifecycle, GradState
+from .loss_scaler import LossScaler
+from .opt_levels import AmpProperties
+
+__all__ = ["AmpStash", "attach_stash", "LossScalerView", "PropertiesView", "loss_scaler_views", "opt_properties"]
+
+_STASH = "_amp_stash"
+# apex's optimizer methods that its clients call directly; masters are made at initialize here,
+# so both take in param groups added since (what apex's lazy init would have found).
+_LAZY_INIT_METHODS = ("_lazy_init_maybe_master_weights", "_amp_lazy_init")
+
+
+class AmpStash:
+    """What ``optimizer._amp_stash`` shows: apex's field names, read from the optimizer's gradient lifecycle.
+
+    ``lazy_init_called`` and ``already_patched`` are plain flags a client may set (nothing
+    reads them); the parameter lists are read-only and follow ``add_param_group``.
+    """
+
+    def __init__(self, lifecycle: GradLifecycle, master_weights: bool) -> None:
+        self._lifecycle = lifecycle
+        self._master_weights = master_weights
+        self.lazy_init_called = True  # masters are made by initialize itself
+        self.already_patched = False
+
+    def lazy_init(self) -> None:
+        """apex's ``optimizer._lazy_init_maybe_master_weights()``: masters for param groups added since."""
+        self._lifecycle.take_in_param_groups()
+
+    @property
+    def params_have_scaled_gradients(self) -> bool:
+        """Whether ``delay_unscale=True`` passes left gradients that are still scaled."""
+        return self._lifecycle.state is GradState.DELAYED
+
+    def _groups(self) -> list[list[Tensor]]:
+        optimizer = self._lifecycle.optimizer()
+        return [] if optimizer is None else [list(group["params"]) for group in optimizer.param_groups]
+
+    def _model_param(self, param: Tensor) -> Optional[Tensor]:
+        return self._lifecycle.params.model_param_of.get(param)
+
+    @property
+    def fp16_groups(self) -> list[list[Tensor]]:
+        """Per param group: the half model parameters (behind the masters under O2)."""
+        if self._master_weights:
+            return [[m for m in map(self._model_param, group) if m is not None] for group in self._groups()]
+        return [[p for p in group if p.dtype in (torch.float16, torch.bfloat16)] for group in self._groups()]
+
+    @property
+    def fp32_from_fp16_groups(self) -> list[list[Tensor]]:
+        """Per param group: the fp32 masters of half model parameters (O2; empty lists otherwise)."""
+        return [[p for p in group if self._model_param(p) is not None] for group in self._groups()]
+
+    @property
+    def fp32_from_fp32_groups(self) -> list[list[Tensor]]:
+        """Per param group: the fp32 parameters the optimizer updates directly."""
+        return [[p for p in group if self._model_param(p) is None and p.dtype == torch.float32]
+                for group in self._groups()]
+
+    @property
+    def all_fp16_params(self) -> list[Tensor]:
+        return [p for group in self.fp16_groups for p in group]
+
+    @property
+    def all_fp32_from_fp16_params(self) -> list[Tensor]:
+        return [p for group in self.fp32_from_fp16_groups for p in group]
+
+    @property
+    def all_fp32_from_fp32_params(self) -> list[Tensor]:
+        return [p for group in self.fp32_from_fp32_groups for p in group]
+
+    @property
+    def all_fp32_params(self) -> list[Tensor]:
+        """apex's name below O2 for the fp32 parameters (the same list as ``all_fp32_from_fp32_params``)."""
+        return self.all_fp32_from_fp32_params
+
+
+def attach_stash(optimizer: torch.optim.Optimizer, lifecycle: GradLifecycle, master_weights: bool,
+                 also_on: Any = None) -> None:
+    """``optimizer._amp_stash`` and apex's lazy-init methods (``initialize`` only, when enabled).
+
+    Args:
+        optimizer: the torch optimizer amp prepared.
+        lifecycle: its gradient lifecycle, which the stash reads.
+        master_weights: whether the session keeps fp32 masters (O2).
+        also_on: the wrapper the user passed (LARC), which clients probe instead.
+    """
+    stash = AmpStash(lifecycle, master_weights)
+    for target in (optimizer, also_on):
+        if target is None:
+            continue
+        setattr(target, _STASH, stash)
+        for name in _LAZY_INIT_METHODS:
+            setattr(target, name, stash.lazy_init)
+
+
+class LossScalerView:
+    """``amp._amp_state.loss_scalers[i]``: apex's ``LossScaler`` names on one of amp's scalers.
+
+    ``_loss_scale`` and ``_unskipped`` can be set, as NVIDIA's recipes do right after
+    ``initialize`` (``amp._amp_state.loss_scalers[0]._loss_scale = 2**20``).
+
+    .. note:: Reading a value is a host read of the device scale (a sync on CUDA).
+    """
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self._scaler = scaler
+
+    def loss_scale(self) -> float:
+        return self._scaler.loss_scale()
+
+    @property
+    def _loss_scale(self) -> float:
+        return self._scaler.loss_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        self._scaler.set_scale(value)
+
+    @property
+    def _unskipped(self) -> int:
+        return self._scaler.clean_steps()
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        self._scaler.set_clean_steps(value)
+
+    @property
+    def dynamic(self) -> bool:
+        return self._scaler.dynamic
+
+    @property
+    def _max_loss_scale(self) -> float:
+        return self._scaler.max_scale
+
+    @property
+    def _min_loss_scale(self) -> float:
+        return self._scaler.min_scale
+
+    @property
+    def _scale_seq_len(self) -> int:
+        return self._scaler.scale_window
+
+
+class PropertiesView:
+    """``amp._amp_state.opt_properties``: the latest ``initialize``'s properties under apex's names."""
+
+    def __init__(self, properties: Optional[AmpProperties]) -> None:
+        self._properties = properties
+
+    @property
+    def options(self) -> dict[str, Any]:
+        props = self._properties
+        if props is None:
+            return {"enabled": False}
+        return {
+            "enabled": True,
+            "opt_level": props.opt_level,
+            "cast_model_type": props.cast_model_type,
+            "patch_torch_functions": props.patch_torch_functions,
+            "keep_batchnorm_fp32": props.keep_batchnorm_fp32,
+            "master_weights": props.master_weights,
+            "loss_scale": "dynamic" if props.dynamic_loss_scale else props.loss_scale,
+        }
+
+    def __getattr__(self, name: str) -> Any:
+        options = self.options
+        if name in options:
+            return options[name]
+        raise AttributeError(f"amp._amp_state.opt_properties has no {name!r}; it has {sorted(options)}")
+
+
+def loss_scaler_views() -> list[LossScalerView]:
+    """Views of the latest session's loss scalers (empty before ``initialize`` or when disabled)."""
+    session = sessions.latest_session()
+    if session is None or not session.enabled:
+        return []
+    return [LossScalerView(scaler) for scaler in session.scalers]
+
+
+def opt_properties() -> PropertiesView:
+    session = sessions.latest_session()
+    return PropertiesView(None if session is None else session.properties)

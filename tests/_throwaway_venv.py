@@ -1,0 +1,47 @@
+"""Throwaway venvs for the tests that install packages: the compat distribution, third-party clients.
+
+The venv is made with the project venv's interpreter and sees the project's packages
+(torch, apex_amp, setuptools, pip) through one .pth file that runs ``site.addsitedir`` on the
+project venv's site-packages: a plain path line would not process that folder's own .pth files,
+which is where the editable apex_amp install lives. Its own site-packages comes first on
+sys.path, so what pip installs there is what gets imported. The compat distribution installs
+from the local folder with ``--no-deps --no-build-isolation --no-index``: no network.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPAT = ROOT / "compat" / "apex"
+TIMEOUT_S = 180
+
+
+def make_venv(folder: Path) -> Path:
+    """A throwaway venv that sees the project venv's packages; returns its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=TIMEOUT_S)
+    python = folder / "bin" / "python"
+    project_site = sysconfig.get_paths()["purelib"]
+    (site_packages_of(python) / "_apex_amp_project_venv.pth").write_text(
+        f"import site; site.addsitedir({project_site!r})\n")
+    return python
+
+
+def site_packages_of(python: Path) -> Path:
+    return Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+
+
+def pip_install_compat(python: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                           "--disable-pip-version-check", str(COMPAT)],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
+
+
+def pip_install_pinned(python: Path, requirements: list[str]) -> subprocess.CompletedProcess:
+    """Install exact versions from the package index, without their dependencies (each is listed)."""
+    return subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
+                           *requirements], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
