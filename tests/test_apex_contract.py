@@ -26,16 +26,9 @@ from apex_amp import amp
 from apex_amp.optimizers import LARC, FusedAdam
 
 from _misuse import BF16, batch, small_model
+from test_o2_client_patterns import make_optimizer
 
 OVERFLOW = 1e38  # times a loss: inf once scaled, at every half dtype
-
-
-def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
-    if kind == "SGD":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    if kind == "Adam":
-        return torch.optim.Adam(params, lr=1e-2)
-    return FusedAdam(params, lr=1e-2)
 
 
 def step(model, optimizer, seed=0, factor=1.0):
