@@ -128,3 +128,52 @@ def disjoint_pairs(op: str, name_a: str, a: Sequence[Tensor], name_b: str, b: Se
         if _share_memory(ta, tb) and not (may_be_same and _same_memory(ta, tb)):
             allowed = "the same tensor or separate ones" if may_be_same else "separate tensors"
             fail(op, f"{name_a}[{i}] and {name_b}[{i}] share memory; pass {allowed}")
+
+
+# ---- fused optimizer steps (validate.h: validate_fused_step) --------------------------
+def fused_step(op: str, device: torch.device, params: Sequence[Tensor], grads: Sequence[Tensor],
+               states: dict[str, Sequence[Tensor]], model_params: Sequence[Tensor],
+               inv_scale: Tensor | None, found_inf: Tensor | None) -> None:
+    """The lists, layouts and dtypes of one fused optimizer step, and its optional flags.
+
+    Per index i: fp32 params[i] (masters) take grads and a model copy of any floating dtype;
+    fp16/bf16 params[i] take grads of their own dtype and no model copy; each state list's [i]
+    has the dtype of params[i].
+    """
+    others = {"grads": grads, **states}
+    if model_params:
+        others["model_params"] = model_params
+    tensor_lists(op, device, params=params, **others)
+    corresponding(op, "params", params, **others)
+    for i, param in enumerate(params):
+        if param.dtype != torch.float32:
+            if grads[i].dtype != param.dtype:
+                fail(op, f"grads[{i}] is {grads[i].dtype} but params[{i}] is {param.dtype}; fp16/bf16 "
+                         "params need grads of their own dtype (or keep fp32 master params)")
+            if model_params:
+                fail(op, f"model_params[{i}] was given for {param.dtype} params[{i}]; only fp32 master "
+                         "params write a model copy, so pass model_params=[]")
+        for name, state in states.items():
+            if state[i].dtype != param.dtype:
+                fail(op, f"{name}[{i}] is {state[i].dtype}; the state takes the dtype of params[{i}], "
+                         f"{param.dtype}")
+    for name, flag in (("inv_scale", inv_scale), ("found_inf", found_inf)):
+        if flag is not None:
+            scalars(op, device, **{name: flag})
+
+
+def fused_memory(op: str, params: Sequence[Tensor], states: dict[str, Sequence[Tensor]],
+                 model_params: Sequence[Tensor]) -> None:
+    """Written lists share no memory, within or across (an fp32 model copy may be its param itself)."""
+    disjoint_within(op, params=params, model_params=model_params, **states)
+    written = [("params", params), *states.items()]
+    for a in range(len(written)):
+        for b in range(a + 1, len(written)):
+            disjoint_pairs(op, *written[a], *written[b], may_be_same=False)
+    disjoint_pairs(op, "params", params, "model_params", model_params, may_be_same=True)
+
+
+def host_numbers(op: str, **checks: tuple[float, bool, str]) -> None:
+    """number() for several host numbers: name=(value, in_range, expected)."""
+    for name, (value, in_range, expected) in checks.items():
+        number(op, name, value, in_range, expected)

@@ -1,15 +1,19 @@
-"""The pure-PyTorch implementation of every apex_amp op, and every op's fake kernel.
+"""The pure-PyTorch implementation and the fake kernel of apex_amp's list and scaler ops.
 
-Registered as real torch ops under ``torch.ops.apex_amp_fallback`` with the
-schemas of csrc/ops.cpp (a test keeps the two in agreement), so that
+Each function decorated with ``@define`` *is* its op's definition
+(apex_amp/_op_registry.py): its signature is the schema of both
+``torch.ops.apex_amp.<name>`` (the compiled kernels) and
+``torch.ops.apex_amp_fallback.<name>`` (this implementation), so that
 :mod:`apex_amp.ops` can call either implementation the same way, and both
-work with ``torch.library.opcheck`` and ``torch.compile``. Used when the
-compiled extension is missing or ``APEX_AMP_FORCE_FALLBACK=1``.
+work with ``torch.library.opcheck`` and ``torch.compile``. The fallback is
+used when the compiled extension is missing or ``APEX_AMP_FORCE_FALLBACK=1``.
+The fused optimizers' ops are defined the same way next to their optimizer
+(apex_amp/optimizers/).
 
 Each op here has two parts. Its fake (meta) kernel checks the metadata of
 the arguments (the metadata part of csrc/validate.h's rules, in
-apex_amp/_checks.py's words) and describes the outputs; it is registered for
-both namespaces (apex_amp/ops.py registers it for the compiled op). Its
+apex_amp/_checks.py's words) and describes the outputs; the registry
+registers it for both namespaces. Its
 fallback runs the fake kernel first, then the memory checks that need real
 tensors, then the math. ``unscale_`` is torch's own
 ``_amp_foreach_non_finite_check_and_unscale_``, which does exactly that op's
@@ -35,45 +39,20 @@ import torch
 from torch import Tensor
 
 from . import _checks as check
+from ._op_registry import FALLBACK_NAMESPACE, define
 
-__all__ = ["NAMESPACE", "SCHEMAS", "FAKE_KERNELS"]
+# The helpers below are shared with the fused optimizers' fallbacks (apex_amp/optimizers).
+__all__ = ["NAMESPACE", "f32", "as_fp32", "shaped_like", "step_taken", "commit"]
 
-NAMESPACE = "apex_amp_fallback"
-
-# Copied from csrc/ops.cpp (tests/test_ops_schema.py compares them with the extension's).
-SCHEMAS = {
-    "check_finite": "(Tensor[] tensors, Tensor(a!) found_inf) -> ()",
-    "unscale_": "(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()",
-    "scale_": "(Tensor[] src, Tensor(a!)[] dst, Tensor scale, Tensor(b!) found_inf) -> ()",
-    "axpby_": "(Tensor[] x, Tensor(a!)[] y, Tensor a, float b, Tensor(b!) found_inf) -> ()",
-    "l2norm": "(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)",
-    "fused_adam_": (
-        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
-        "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] model_params, Tensor(e!) step, float lr, "
-        "float beta1, float beta2, float eps, float weight_decay, bool adamw_mode, "
-        "bool bias_correction, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()"
-    ),
-    "update_scale_": (
-        "(Tensor(a!) scale, Tensor(b!) growth_tracker, "
-        "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
-        "float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
-        "float max_scale, bool consecutive_hysteresis) -> ()"
-    ),
-}
+NAMESPACE = FALLBACK_NAMESPACE
 
 
-def _op(name: str, mutates_args: tuple[str, ...]):
-    return torch.library.custom_op(
-        f"{NAMESPACE}::{name}", mutates_args=mutates_args, schema=SCHEMAS[name]
-    )
-
-
-def _f32(value: float) -> float:
+def f32(value: float) -> float:
     # The kernels receive the schema's doubles as C++ floats: round the same way.
     return torch.tensor(value, dtype=torch.float32).item()
 
 
-def _as_fp32(tensors: list[Tensor]) -> list[Tensor]:
+def as_fp32(tensors: list[Tensor]) -> list[Tensor]:
     return [t.float() for t in tensors]
 
 
@@ -96,7 +75,7 @@ def _write(dst: list[Tensor], values: list[Tensor]) -> None:
         torch._foreach_copy_(dst, values)
 
 
-def _shaped_like(tensors: list[Tensor], like: list[Tensor]) -> list[Tensor]:
+def shaped_like(tensors: list[Tensor], like: list[Tensor]) -> list[Tensor]:
     """Each tensor with the shape of its counterpart in ``like``, so that torch's ops pair them element by
     element as the kernels do (in memory order). The checks admit only equal shapes (then with equal strides)
     or two contiguous tensors, for which the reshape is a view: nothing is copied."""
@@ -106,7 +85,7 @@ def _shaped_like(tensors: list[Tensor], like: list[Tensor]) -> list[Tensor]:
 def _scaled_fp32(tensors: list[Tensor], factor: Tensor) -> list[Tensor]:
     if not tensors:
         return []
-    return torch._foreach_mul(_as_fp32(tensors), factor.reshape(()))
+    return torch._foreach_mul(as_fp32(tensors), factor.reshape(()))
 
 
 # ---- check_finite ---------------------------------------------------------------------------
@@ -116,7 +95,7 @@ def _fake_check_finite(tensors: list[Tensor], found_inf: Tensor) -> None:
     check.scalars(op, device, found_inf=found_inf)
 
 
-@_op("check_finite", mutates_args=("found_inf",))
+@define("check_finite", mutates_args=("found_inf",), fake=_fake_check_finite)
 def check_finite(tensors: list[Tensor], found_inf: Tensor) -> None:
     _fake_check_finite(tensors, found_inf)
     _flag_nonfinite(found_inf, tensors)
@@ -129,7 +108,7 @@ def _fake_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> 
     check.scalars(op, device, found_inf=found_inf, inv_scale=inv_scale)
 
 
-@_op("unscale_", mutates_args=("grads", "found_inf"))
+@define("unscale_", mutates_args=("grads", "found_inf"), fake=_fake_unscale)
 def unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     _fake_unscale(grads, found_inf, inv_scale)
     check.disjoint_within("unscale_", grads=grads)
@@ -150,12 +129,12 @@ def _fake_scale(src: list[Tensor], dst: list[Tensor], scale: Tensor, found_inf: 
     check.scalars(op, device, scale=scale, found_inf=found_inf)
 
 
-@_op("scale_", mutates_args=("dst", "found_inf"))
+@define("scale_", mutates_args=("dst", "found_inf"), fake=_fake_scale)
 def scale_(src: list[Tensor], dst: list[Tensor], scale: Tensor, found_inf: Tensor) -> None:
     _fake_scale(src, dst, scale, found_inf)
     check.disjoint_within("scale_", dst=dst)
     check.disjoint_pairs("scale_", "src", src, "dst", dst, may_be_same=True)
-    src = _shaped_like(src, dst)
+    src = shaped_like(src, dst)
     results = [r.to(d.dtype) for r, d in zip(_scaled_fp32(src, scale), dst)]
     # A non-finite src element gives a non-finite product (inf * 0 is NaN), so
     # checking the converted results covers "src or result" in one pass.
@@ -169,15 +148,15 @@ def _fake_axpby(x: list[Tensor], y: list[Tensor], a: Tensor, b: float, found_inf
     check.scalars(op, device, a=a, found_inf=found_inf)
 
 
-@_op("axpby_", mutates_args=("y", "found_inf"))
+@define("axpby_", mutates_args=("y", "found_inf"), fake=_fake_axpby)
 def axpby_(x: list[Tensor], y: list[Tensor], a: Tensor, b: float, found_inf: Tensor) -> None:
     _fake_axpby(x, y, a, b, found_inf)
     check.disjoint_within("axpby_", y=y)
     check.disjoint_pairs("axpby_", "x", x, "y", y, may_be_same=True)
     if not x:
         return
-    x = _shaped_like(x, y)
-    sums = torch._foreach_add(_scaled_fp32(x, a), torch._foreach_mul(_as_fp32(y), _f32(b)))
+    x = shaped_like(x, y)
+    sums = torch._foreach_add(_scaled_fp32(x, a), torch._foreach_mul(as_fp32(y), f32(b)))
     results = [r.to(t.dtype) for r, t in zip(sums, y)]
     # As in scale_: an inf/NaN in x always reaches the result.
     _flag_nonfinite(found_inf, results)
@@ -201,7 +180,7 @@ def _fake_l2norm(tensors: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tenso
     return total, norms
 
 
-@_op("l2norm", mutates_args=())
+@define("l2norm", mutates_args=(), fake=_fake_l2norm)
 def l2norm(tensors: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
     _check_l2norm(tensors)
     norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
@@ -210,7 +189,7 @@ def l2norm(tensors: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
 
 
 # ---- fused_adam_ ----------------------------------------------------------------------------
-def _step_taken(found_inf: Optional[Tensor]) -> Union[bool, Tensor]:
+def step_taken(found_inf: Optional[Tensor]) -> Union[bool, Tensor]:
     """Whether fused_adam_ takes its step: a bool when known without a sync, else a device mask."""
     if found_inf is None:
         return True
@@ -220,7 +199,7 @@ def _step_taken(found_inf: Optional[Tensor]) -> Union[bool, Tensor]:
     return found_inf.reshape(()) == 0
 
 
-def _commit(dst: list[Tensor], values: list[Tensor], taken: Union[bool, Tensor]) -> None:
+def commit(dst: list[Tensor], values: list[Tensor], taken: Union[bool, Tensor]) -> None:
     if taken is True:
         _write(dst, values)
     else:
@@ -233,54 +212,36 @@ def _adam_step_scalars(
 ) -> tuple[Union[float, Tensor], Union[float, Tensor]]:
     """(step_size, sqrt(1 - beta2^step)) as in amp_math.h's make_adam_step_params."""
     if not bias_correction:
-        return _f32(lr), 1.0
+        return f32(lr), 1.0
     # In float64 on the step's device (beta^step loses all precision in fp32), then fp32.
     step = step_after.reshape(()).double()
-    bias_correction1 = 1.0 - torch.pow(_f32(beta1), step)
-    bias_correction2 = 1.0 - torch.pow(_f32(beta2), step)
-    return (_f32(lr) / bias_correction1).float(), bias_correction2.sqrt().float()
+    bias_correction1 = 1.0 - torch.pow(f32(beta1), step)
+    bias_correction2 = 1.0 - torch.pow(f32(beta2), step)
+    return (f32(lr) / bias_correction1).float(), bias_correction2.sqrt().float()
 
 
 def _adam_math(params, grads, exp_avgs, exp_avg_sqs, inv_scale, step_size, bc2_sqrt, hyper):
     """amp_math.h's adam_update on whole lists, in fp32, same order of operations."""
     lr, beta1, beta2, eps, weight_decay, adamw_mode = hyper
-    grad = _as_fp32(grads)
+    grad = as_fp32(grads)
     if inv_scale is not None:
         grad = torch._foreach_mul(grad, inv_scale.reshape(()))
-    param, exp_avg, exp_avg_sq = _as_fp32(params), _as_fp32(exp_avgs), _as_fp32(exp_avg_sqs)
+    param, exp_avg, exp_avg_sq = as_fp32(params), as_fp32(exp_avgs), as_fp32(exp_avg_sqs)
     if weight_decay != 0.0:
         if adamw_mode:
-            param = torch._foreach_mul(param, _f32(1.0 - _f32(lr * weight_decay)))
+            param = torch._foreach_mul(param, f32(1.0 - f32(lr * weight_decay)))
         else:
             grad = torch._foreach_add(grad, torch._foreach_mul(param, weight_decay))
     exp_avg = torch._foreach_add(
-        torch._foreach_mul(exp_avg, beta1), torch._foreach_mul(grad, _f32(1.0 - beta1))
+        torch._foreach_mul(exp_avg, beta1), torch._foreach_mul(grad, f32(1.0 - beta1))
     )
     exp_avg_sq = torch._foreach_add(
         torch._foreach_mul(exp_avg_sq, beta2),
-        torch._foreach_mul(torch._foreach_mul(grad, _f32(1.0 - beta2)), grad),
+        torch._foreach_mul(torch._foreach_mul(grad, f32(1.0 - beta2)), grad),
     )
     denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(exp_avg_sq), bc2_sqrt), eps)
     param = torch._foreach_sub(param, torch._foreach_div(torch._foreach_mul(exp_avg, step_size), denom))
     return param, exp_avg, exp_avg_sq
-
-
-def _check_adam_dtypes(params, grads, exp_avgs, exp_avg_sqs, model_params) -> None:
-    # fp32 params[i] (masters): grads[i] and model_params[i] of any floating dtype; fp16/bf16
-    # params[i]: grads[i] of the same dtype and no model copy; the moments: the dtype of params[i].
-    op = "fused_adam_"
-    for i, param in enumerate(params):
-        if param.dtype != torch.float32:
-            if grads[i].dtype != param.dtype:
-                check.fail(op, f"grads[{i}] is {grads[i].dtype} but params[{i}] is {param.dtype}; fp16/bf16 "
-                               "params need grads of their own dtype (or keep fp32 master params)")
-            if model_params:
-                check.fail(op, f"model_params[{i}] was given for {param.dtype} params[{i}]; only fp32 master "
-                               "params write a model copy, so pass model_params=[]")
-        for name, moments in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
-            if moments[i].dtype != param.dtype:
-                check.fail(op, f"{name}[{i}] is {moments[i].dtype}; the moments take the dtype of params[{i}], "
-                               f"{param.dtype}")
 
 
 def _fake_fused_adam(
@@ -288,38 +249,18 @@ def _fake_fused_adam(
     weight_decay, adamw_mode, bias_correction, inv_scale=None, found_inf=None,
 ) -> None:
     op, device = "fused_adam_", step.device
-    others = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    if model_params:
-        others["model_params"] = model_params
-    check.tensor_lists(op, device, params=params, **others)
-    check.corresponding(op, "params", params, **others)
-    _check_adam_dtypes(params, grads, exp_avgs, exp_avg_sqs, model_params)
+    check.fused_step(op, device, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+                     model_params, inv_scale, found_inf)
     check.scalars(op, device, step=step)
-    for name, flag in (("inv_scale", inv_scale), ("found_inf", found_inf)):
-        if flag is not None:
-            check.scalars(op, device, **{name: flag})
     # Written so that NaN fails every check.
-    check.number(op, "lr", lr, lr >= 0.0, ">= 0")
-    check.number(op, "beta1", beta1, 0.0 <= beta1 < 1.0, "in [0, 1)")
-    check.number(op, "beta2", beta2, 0.0 <= beta2 < 1.0, "in [0, 1)")
-    check.number(op, "eps", eps, eps >= 0.0, ">= 0")
-    check.number(op, "weight_decay", weight_decay, weight_decay >= 0.0, ">= 0")
+    check.host_numbers(
+        op, lr=(lr, lr >= 0.0, ">= 0"), beta1=(beta1, 0.0 <= beta1 < 1.0, "in [0, 1)"),
+        beta2=(beta2, 0.0 <= beta2 < 1.0, "in [0, 1)"), eps=(eps, eps >= 0.0, ">= 0"),
+        weight_decay=(weight_decay, weight_decay >= 0.0, ">= 0"))
 
 
-def _check_adam_memory(params, exp_avgs, exp_avg_sqs, model_params) -> None:
-    op = "fused_adam_"
-    check.disjoint_within(op, params=params, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, model_params=model_params)
-    for (name_a, a), (name_b, b) in (
-        (("params", params), ("exp_avgs", exp_avgs)),
-        (("params", params), ("exp_avg_sqs", exp_avg_sqs)),
-        (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)),
-    ):
-        check.disjoint_pairs(op, name_a, a, name_b, b, may_be_same=False)
-    # An fp32 model_params[i] may be params[i] itself (a redundant write).
-    check.disjoint_pairs(op, "params", params, "model_params", model_params, may_be_same=True)
-
-
-@_op("fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "step"))
+@define("fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "step"),
+        fake=_fake_fused_adam)
 def fused_adam_(
     params: list[Tensor],
     grads: list[Tensor],
@@ -341,25 +282,25 @@ def fused_adam_(
         params, grads, exp_avgs, exp_avg_sqs, model_params, step,
         lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, inv_scale, found_inf,
     )
-    _check_adam_memory(params, exp_avgs, exp_avg_sqs, model_params)
-    taken = _step_taken(found_inf)
+    check.fused_memory("fused_adam_", params, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, model_params)
+    taken = step_taken(found_inf)
     if taken is False:
         return
     step_after = step + 1.0
     if params:
         grads, exp_avgs, exp_avg_sqs, model_params = (
-            _shaped_like(tensors, params) for tensors in (grads, exp_avgs, exp_avg_sqs, model_params)
+            shaped_like(tensors, params) for tensors in (grads, exp_avgs, exp_avg_sqs, model_params)
         )
         step_size, bc2_sqrt = _adam_step_scalars(step_after, lr, beta1, beta2, bias_correction)
-        hyper = tuple(_f32(h) for h in (lr, beta1, beta2, eps, weight_decay)) + (adamw_mode,)
+        hyper = tuple(f32(h) for h in (lr, beta1, beta2, eps, weight_decay)) + (adamw_mode,)
         param, exp_avg, exp_avg_sq = _adam_math(
             params, grads, exp_avgs, exp_avg_sqs, inv_scale, step_size, bc2_sqrt, hyper
         )
-        _commit(params, param, taken)
-        _commit(exp_avgs, exp_avg, taken)
-        _commit(exp_avg_sqs, exp_avg_sq, taken)
-        _commit(model_params, param, taken)
-    _commit([step], [step_after], taken)
+        commit(params, param, taken)
+        commit(exp_avgs, exp_avg, taken)
+        commit(exp_avg_sqs, exp_avg_sq, taken)
+        commit(model_params, param, taken)
+    commit([step], [step_after], taken)
 
 
 # ---- update_scale_ --------------------------------------------------------------------------
@@ -389,7 +330,8 @@ def _times(scale: Tensor, factor: float) -> Tensor:
     return (scale.double() * factor).float()
 
 
-@_op("update_scale_", mutates_args=("scale", "growth_tracker", "hysteresis_tracker"))
+@define("update_scale_", mutates_args=("scale", "growth_tracker", "hysteresis_tracker"),
+        fake=_fake_update_scale)
 def update_scale_(
     scale: Tensor,
     growth_tracker: Tensor,
@@ -409,7 +351,7 @@ def update_scale_(
     )
     # amp_math.h's update_scale_math restated in torch ops, for installs without a compiler: both
     # branches computed and the right one picked on the device (no host sync).
-    min_scale, max_scale = _f32(min_scale), _f32(max_scale)
+    min_scale, max_scale = f32(min_scale), f32(max_scale)
     overflow = found_inf.reshape(()) != 0
     old_scale = scale.reshape(())
     old_growth = growth_tracker.reshape(())
@@ -431,18 +373,3 @@ def update_scale_(
     scale.copy_(torch.where(overflow, scale_on_overflow, scale_when_clean))
     growth_tracker.copy_(torch.where(overflow | grows, 0, counted))
     hysteresis_tracker.copy_(torch.where(overflow, spent_hysteresis, refilled))
-
-
-# Every op's fake kernel; apex_amp/ops.py registers them for the compiled ops too.
-FAKE_KERNELS = {
-    "check_finite": _fake_check_finite,
-    "unscale_": _fake_unscale,
-    "scale_": _fake_scale,
-    "axpby_": _fake_axpby,
-    "l2norm": _fake_l2norm,
-    "fused_adam_": _fake_fused_adam,
-    "update_scale_": _fake_update_scale,
-}
-
-for _name, _fake in FAKE_KERNELS.items():
-    torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake)

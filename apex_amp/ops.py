@@ -39,8 +39,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _fallback  # registers torch.ops.apex_amp_fallback and holds the fake kernels
+from . import _fallback  # noqa: F401  defines the list and scaler ops (the optimizers define theirs)
 from ._extension import STATUS
+from ._op_registry import OPS
 
 __all__ = [
     "BACKEND",
@@ -88,12 +89,13 @@ def backend_namespace(backend: Optional[str] = None):
 
 _ops = backend_namespace()
 
-# Fake (meta) kernels of the compiled ops, for torch.compile and meta tensors:
-# the fallback's, which check the arguments' metadata and describe the outputs
-# (none for the in-place ops, new fp32 tensors for l2norm).
-if STATUS.loaded:
-    for _name, _fake_kernel in _fallback.FAKE_KERNELS.items():
-        torch.library.register_fake(f"apex_amp::{_name}", _fake_kernel)
+
+def __getattr__(name: str):
+    # An op with no hand-written wrapper below (the fused optimizers' ops): the op of the backend in
+    # use, called with the arguments of its definition (apex_amp/_op_registry.py).
+    if name in OPS:
+        return getattr(_ops, name)
+    raise AttributeError(f"module 'apex_amp.ops' has no attribute {name!r}")
 
 
 def check_finite(tensors: Sequence[Tensor], found_inf: Tensor) -> None:

@@ -18,7 +18,10 @@
 
 #include <cstdint>
 #include <limits>
+#include <initializer_list>
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace apex_amp {
 
@@ -81,32 +84,26 @@ inline void validate_l2norm(at::TensorList tensors, const at::Device& device) {
   check_tensor_list("l2norm", "tensors", tensors, device);
 }
 
-// Tensors that fused_adam_ writes element by element must not share memory.
-inline void check_adam_disjoint(
-    const char* name_a,
-    at::TensorList a,
-    const char* name_b,
-    at::TensorList b) {
-  for (size_t i = 0; i < a.size(); ++i) {
-    TORCH_CHECK(
-        at::get_overlap_status(a[i], b[i]) == at::MemOverlapStatus::No, "apex_amp.fused_adam_: ",
-        name_a, "[", i, "] and ", name_b, "[", i,
-        "] share memory; each parameter needs its own moment buffers");
-  }
-}
-
-// The dtype combinations fused_adam_ supports, per index i:
+// ---- fused optimizer steps -------------------------------------------------
+// What every fused optimizer op shares: params (updated), grads, the
+// per-element state lists of its rule (updated, the dtype of the params), an
+// optional model copy, the optional flags; and the dtype combinations, per
+// index i:
 //   params[i] fp32 (master weights): grads[i] fp32, fp16 or bf16; model_params
 //     empty, or model_params[i] fp16, bf16 or fp32;
 //   params[i] fp16 or bf16: grads[i] of the same dtype, no model_params;
-//   exp_avgs[i], exp_avg_sqs[i]: the dtype of params[i].
-inline void check_adam_dtypes(
+//   each state list's [i]: the dtype of params[i].
+struct NamedList {
+  const char* name;
+  at::TensorList list;
+};
+
+inline void check_fused_dtypes(
+    const char* op,
     at::TensorList params,
     at::TensorList grads,
-    at::TensorList exp_avgs,
-    at::TensorList exp_avg_sqs,
+    std::initializer_list<NamedList> states,
     at::TensorList model_params) {
-  constexpr const char* op = "fused_adam_";
   const bool has_model_params = !model_params.empty();
   for (size_t i = 0; i < params.size(); ++i) {
     const at::ScalarType param_dtype = params[i].scalar_type();
@@ -121,15 +118,84 @@ inline void check_adam_dtypes(
           "; a model copy is written only from fp32 master params, pass model_params=[] "
           "or fp32 params");
     }
-    TORCH_CHECK(
-        exp_avgs[i].scalar_type() == param_dtype, "apex_amp.", op, ": exp_avgs[", i,
-        "] has dtype ", exp_avgs[i].scalar_type(), "; expected ", param_dtype,
-        ", the dtype of params[", i, "]");
-    TORCH_CHECK(
-        exp_avg_sqs[i].scalar_type() == param_dtype, "apex_amp.", op, ": exp_avg_sqs[", i,
-        "] has dtype ", exp_avg_sqs[i].scalar_type(), "; expected ", param_dtype,
-        ", the dtype of params[", i, "]");
+    for (const NamedList& state : states) {
+      TORCH_CHECK(
+          state.list[i].scalar_type() == param_dtype, "apex_amp.", op, ": ", state.name, "[", i,
+          "] has dtype ", state.list[i].scalar_type(), "; expected ", param_dtype,
+          ", the dtype of params[", i, "]");
+    }
   }
+}
+
+// Lists, devices, layouts, memory and dtypes of one fused step, and its
+// optional flags. `step` is validated by the ops that count steps.
+inline void validate_fused_step(
+    const char* op,
+    at::TensorList params,
+    at::TensorList grads,
+    std::initializer_list<NamedList> states,
+    at::TensorList model_params,
+    const std::optional<at::Tensor>& inv_scale,
+    const std::optional<at::Tensor>& found_inf,
+    const at::Device& device) {
+  check_same_length(op, "params", params, "grads", grads);
+  for (const NamedList& state : states) {
+    check_same_length(op, "params", params, state.name, state.list);
+  }
+  const bool has_model_params = !model_params.empty();
+  if (has_model_params) {
+    check_same_length(op, "params", params, "model_params", model_params);
+  }
+  check_tensor_list(op, "params", params, device);
+  check_tensor_list(op, "grads", grads, device);
+  for (const NamedList& state : states) {
+    check_tensor_list(op, state.name, state.list, device);
+  }
+  check_tensor_list(op, "model_params", model_params, device);
+  check_disjoint_within(op, "params", params);
+  for (const NamedList& state : states) {
+    check_disjoint_within(op, state.name, state.list);
+  }
+  check_disjoint_within(op, "model_params", model_params);
+  check_fused_dtypes(op, params, grads, states, model_params);
+  check_corresponding(op, "params", params, "grads", grads);
+  for (const NamedList& state : states) {
+    check_corresponding(op, "params", params, state.name, state.list);
+  }
+  // Tensors written element by element must not share memory.
+  std::vector<NamedList> written{{"params", params}};
+  written.insert(written.end(), states.begin(), states.end());
+  for (size_t a = 0; a < written.size(); ++a) {
+    for (size_t b = a + 1; b < written.size(); ++b) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        TORCH_CHECK(
+            at::get_overlap_status(written[a].list[i], written[b].list[i]) == at::MemOverlapStatus::No,
+            "apex_amp.", op, ": ", written[a].name, "[", i, "] and ", written[b].name, "[", i,
+            "] share memory; each parameter needs its own state buffers");
+      }
+    }
+  }
+  if (has_model_params) {
+    check_corresponding(op, "params", params, "model_params", model_params);
+    // An fp32 model_params[i] may be params[i] itself (a redundant write).
+    check_no_partial_overlap(op, "params", params, "model_params", model_params);
+  }
+  if (inv_scale.has_value()) {
+    check_scalar_tensor(op, "inv_scale", *inv_scale, device);
+  }
+  if (found_inf.has_value()) {
+    check_scalar_tensor(op, "found_inf", *found_inf, device);
+  }
+}
+
+// A host number of an op; `in_range` is written so that NaN makes it false.
+inline void check_number(const char* op, const char* name, double value, bool in_range, const char* expected) {
+  TORCH_CHECK(in_range, "apex_amp.", op, ": ", name, " must be ", expected, ", got ", value);
+}
+
+inline void check_betas(const char* op, double beta1, double beta2) {
+  check_number(op, "beta1", beta1, beta1 >= 0.0 && beta1 < 1.0, "in [0, 1)");
+  check_number(op, "beta2", beta2, beta2 >= 0.0 && beta2 < 1.0, "in [0, 1)");
 }
 
 inline void validate_fused_adam(
@@ -148,50 +214,135 @@ inline void validate_fused_adam(
     const std::optional<at::Tensor>& found_inf,
     const at::Device& device) {
   constexpr const char* op = "fused_adam_";
-  check_same_length(op, "params", params, "grads", grads);
-  check_same_length(op, "params", params, "exp_avgs", exp_avgs);
-  check_same_length(op, "params", params, "exp_avg_sqs", exp_avg_sqs);
-  const bool has_model_params = !model_params.empty();
-  if (has_model_params) {
-    check_same_length(op, "params", params, "model_params", model_params);
-  }
-  check_tensor_list(op, "params", params, device);
-  check_tensor_list(op, "grads", grads, device);
-  check_tensor_list(op, "exp_avgs", exp_avgs, device);
-  check_tensor_list(op, "exp_avg_sqs", exp_avg_sqs, device);
-  check_tensor_list(op, "model_params", model_params, device);
-  check_disjoint_within(op, "params", params);
-  check_disjoint_within(op, "exp_avgs", exp_avgs);
-  check_disjoint_within(op, "exp_avg_sqs", exp_avg_sqs);
-  check_disjoint_within(op, "model_params", model_params);
-  check_adam_dtypes(params, grads, exp_avgs, exp_avg_sqs, model_params);
-  check_corresponding(op, "params", params, "grads", grads);
-  check_corresponding(op, "params", params, "exp_avgs", exp_avgs);
-  check_corresponding(op, "params", params, "exp_avg_sqs", exp_avg_sqs);
-  check_adam_disjoint("params", params, "exp_avgs", exp_avgs);
-  check_adam_disjoint("params", params, "exp_avg_sqs", exp_avg_sqs);
-  check_adam_disjoint("exp_avgs", exp_avgs, "exp_avg_sqs", exp_avg_sqs);
-  if (has_model_params) {
-    check_corresponding(op, "params", params, "model_params", model_params);
-    // An fp32 model_params[i] may be params[i] itself (a redundant write).
-    check_no_partial_overlap(op, "params", params, "model_params", model_params);
-  }
+  validate_fused_step(
+      op, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, model_params,
+      inv_scale, found_inf, device);
   check_scalar_tensor(op, "step", step, device);
-  if (inv_scale.has_value()) {
-    check_scalar_tensor(op, "inv_scale", *inv_scale, device);
+  check_number(op, "lr", lr, lr >= 0.0, ">= 0");
+  check_betas(op, beta1, beta2);
+  check_number(op, "eps", eps, eps >= 0.0, ">= 0");
+  check_number(op, "weight_decay", weight_decay, weight_decay >= 0.0, ">= 0");
+}
+
+// momentum_buffers: one per param, or none at all (momentum 0: plain SGD).
+inline void validate_fused_sgd(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList momentum_buffers,
+    at::TensorList model_params,
+    double lr,
+    double momentum,
+    double dampening,
+    double weight_decay,
+    bool nesterov,
+    const std::optional<at::Tensor>& inv_scale,
+    const std::optional<at::Tensor>& found_inf,
+    const at::Device& device) {
+  constexpr const char* op = "fused_sgd_";
+  if (momentum_buffers.empty()) {
+    validate_fused_step(op, params, grads, {}, model_params, inv_scale, found_inf, device);
+  } else {
+    validate_fused_step(
+        op, params, grads, {{"momentum_buffers", momentum_buffers}}, model_params, inv_scale,
+        found_inf, device);
   }
-  if (found_inf.has_value()) {
-    check_scalar_tensor(op, "found_inf", *found_inf, device);
+  check_number(op, "lr", lr, lr >= 0.0, ">= 0");
+  check_number(op, "momentum", momentum, momentum >= 0.0, ">= 0");
+  check_number(op, "weight_decay", weight_decay, weight_decay >= 0.0, ">= 0");
+  check_number(op, "dampening", dampening, dampening >= 0.0 && dampening <= 1.0, "in [0, 1]");
+  TORCH_CHECK(
+      momentum_buffers.empty() == (momentum == 0.0), "apex_amp.", op,
+      ": pass momentum_buffers (one per param) exactly when momentum is not 0 (momentum=",
+      momentum, ", ", momentum_buffers.size(), " buffers)");
+  TORCH_CHECK(
+      !nesterov || (momentum > 0.0 && dampening == 0.0), "apex_amp.", op,
+      ": nesterov needs momentum > 0 and dampening 0");
+}
+
+inline void validate_fused_adagrad(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList state_sums,
+    at::TensorList model_params,
+    double lr,
+    double eps,
+    double weight_decay,
+    const std::optional<at::Tensor>& inv_scale,
+    const std::optional<at::Tensor>& found_inf,
+    const at::Device& device) {
+  constexpr const char* op = "fused_adagrad_";
+  validate_fused_step(
+      op, params, grads, {{"state_sums", state_sums}}, model_params, inv_scale, found_inf, device);
+  check_number(op, "lr", lr, lr >= 0.0, ">= 0");
+  check_number(op, "eps", eps, eps >= 0.0, ">= 0");
+  check_number(op, "weight_decay", weight_decay, weight_decay >= 0.0, ">= 0");
+}
+
+// exp_avg_sqs: NovoGrad's per-tensor second moments, one one-element fp32
+// tensor per param (negative: no gradient seen yet).
+inline void validate_fused_novograd(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList model_params,
+    const at::Tensor& step,
+    double lr,
+    double beta1,
+    double beta2,
+    double eps,
+    double weight_decay,
+    int64_t norm_type,
+    const std::optional<at::Tensor>& inv_scale,
+    const std::optional<at::Tensor>& found_inf,
+    const at::Device& device) {
+  constexpr const char* op = "fused_novograd_";
+  validate_fused_step(
+      op, params, grads, {{"exp_avgs", exp_avgs}}, model_params, inv_scale, found_inf, device);
+  check_same_length(op, "params", params, "exp_avg_sqs", exp_avg_sqs);
+  for (size_t i = 0; i < exp_avg_sqs.size(); ++i) {
+    const std::string name = "exp_avg_sqs[" + std::to_string(i) + "]";
+    check_scalar_tensor(op, name.c_str(), exp_avg_sqs[i], device);
   }
-  // Written so that NaN fails every check.
-  TORCH_CHECK(lr >= 0.0, "apex_amp.", op, ": lr must be >= 0, got ", lr);
+  check_disjoint_within(op, "exp_avg_sqs", exp_avg_sqs);
+  check_scalar_tensor(op, "step", step, device);
+  check_number(op, "lr", lr, lr >= 0.0, ">= 0");
+  check_betas(op, beta1, beta2);
+  check_number(op, "eps", eps, eps >= 0.0, ">= 0");
+  check_number(op, "weight_decay", weight_decay, weight_decay >= 0.0, ">= 0");
   TORCH_CHECK(
-      beta1 >= 0.0 && beta1 < 1.0, "apex_amp.", op, ": beta1 must be in [0, 1), got ", beta1);
-  TORCH_CHECK(
-      beta2 >= 0.0 && beta2 < 1.0, "apex_amp.", op, ": beta2 must be in [0, 1), got ", beta2);
-  TORCH_CHECK(eps >= 0.0, "apex_amp.", op, ": eps must be >= 0, got ", eps);
-  TORCH_CHECK(
-      weight_decay >= 0.0, "apex_amp.", op, ": weight_decay must be >= 0, got ", weight_decay);
+      norm_type == 0 || norm_type == 2, "apex_amp.", op,
+      ": norm_type must be 2 (L2) or 0 (L-infinity), got ", norm_type);
+}
+
+inline void validate_fused_lamb(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList model_params,
+    const at::Tensor& step,
+    const at::Tensor& grad_norm,
+    double lr,
+    double beta1,
+    double beta2,
+    double eps,
+    double weight_decay,
+    double max_grad_norm,
+    const std::optional<at::Tensor>& inv_scale,
+    const std::optional<at::Tensor>& found_inf,
+    const at::Device& device) {
+  constexpr const char* op = "fused_lamb_";
+  validate_fused_step(
+      op, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, model_params,
+      inv_scale, found_inf, device);
+  check_scalar_tensor(op, "step", step, device);
+  check_scalar_tensor(op, "grad_norm", grad_norm, device);
+  check_number(op, "lr", lr, lr >= 0.0, ">= 0");
+  check_betas(op, beta1, beta2);
+  check_number(op, "eps", eps, eps >= 0.0, ">= 0");
+  check_number(op, "weight_decay", weight_decay, weight_decay >= 0.0, ">= 0");
+  check_number(op, "max_grad_norm", max_grad_norm, max_grad_norm > 0.0, "> 0 (inf: no clipping)");
 }
 
 inline void validate_update_scale(

@@ -12,7 +12,7 @@ from torch import nn
 
 from apex_amp import amp
 from apex_amp.amp import casting
-from apex_amp.optimizers import FusedAdam
+from apex_amp.optimizers import AmpStepArgs, FusedAdam
 
 INF = float("inf")
 
@@ -191,7 +191,7 @@ def test_fused_adam_found_inf_makes_step_a_no_op_without_amp():
     optimizer = FusedAdam(model.parameters())
     model(torch.randn(2, 6)).sum().backward()
     before = [p.detach().clone() for p in model.parameters()]
-    optimizer.step(found_inf=torch.ones(1))
+    optimizer.step(amp=AmpStepArgs(found_inf=torch.ones(1)))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert float(optimizer.state[model[0].weight]["step"]) == 0.0
 

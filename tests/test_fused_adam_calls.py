@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from apex_amp import amp
 from apex_amp.amp import casting
-from apex_amp.optimizers import FusedAdam
+from apex_amp.optimizers import AmpStepArgs, FusedAdam
 
 INF = float("inf")
 
@@ -148,7 +148,7 @@ def test_half_params_without_masters_keep_their_own_call():
     half.grad = torch.randn(4, dtype=torch.bfloat16)
     master_backed.grad = torch.randn(4, dtype=torch.bfloat16)
     with _CountAdamCalls() as counter:
-        optimizer.step(model_params={master: master_backed})
+        optimizer.step(amp=AmpStepArgs(model_params={master: master_backed}))
     assert counter.calls == 2
     assert float(optimizer.state[half]["step"]) == float(optimizer.state[master]["step"]) == 1.0
     assert torch.equal(master_backed, master.detach().to(torch.bfloat16))

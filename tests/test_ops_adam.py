@@ -212,7 +212,7 @@ def test_found_inf_zero_takes_the_same_step_as_no_found_inf(amp_ops, device):
 def test_fallback_skip_decided_on_the_device_is_also_bitwise_a_no_op(monkeypatch):
     # On CUDA the fallback cannot read found_inf without a sync, so it masks
     # every write instead; force that path on CPU and check both outcomes.
-    monkeypatch.setattr(_fallback, "_step_taken", lambda found_inf: found_inf.reshape(()) == 0)
+    monkeypatch.setattr(_fallback, "step_taken", lambda found_inf: found_inf.reshape(()) == 0)
     amp_ops = torch.ops.apex_amp_fallback
     cfg = ref.AdamConfig(lr=1e-2, weight_decay=0.1)
     initial = ref.random_tensors((1031, 1), [torch.float32], seed=61, device="cpu")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import _reference as ref
-from apex_amp import _fallback, ops
+from apex_amp import ops
+from apex_amp._op_registry import OPS
 from apex_amp._extension import STATUS
 
 
@@ -27,7 +31,13 @@ def _signature(op_name: str, namespace) -> tuple:
     return arguments, tuple(str(r.type) for r in schema.returns)
 
 
-OP_NAMES = sorted(_fallback.SCHEMAS)
+OP_NAMES = sorted(OPS)
+OPTIMIZER_OPS = {"fused_adam_", "fused_sgd_", "fused_adagrad_", "fused_novograd_", "fused_lamb_"}
+
+
+def test_every_op_is_defined_once_in_the_registry():
+    # The list ops and the scaler in apex_amp/_fallback.py, each optimizer's op beside its optimizer.
+    assert {"check_finite", "unscale_", "scale_", "axpby_", "l2norm", "update_scale_"} | OPTIMIZER_OPS == set(OPS)
 
 
 @pytest.mark.parametrize("op_name", OP_NAMES)
@@ -37,13 +47,40 @@ def test_fallback_schema_matches_the_extension(op_name):
     assert _signature(op_name, torch.ops.apex_amp_fallback) == _signature(op_name, torch.ops.apex_amp)
 
 
-def test_every_op_has_a_fallback_and_a_fake_kernel():
-    assert set(_fallback.SCHEMAS) == set(_fallback.FAKE_KERNELS)
+def test_every_op_has_a_fallback_and_a_cpu_kernel():
+    # (Each fake kernel is exercised by tests/test_ops_opcheck.py.)
     for op_name in OP_NAMES:
         assert hasattr(torch.ops.apex_amp_fallback, op_name)
-    if STATUS.loaded:  # and the extension defines exactly these ops
+    if STATUS.loaded:  # the extension defines exactly these ops, each with a CPU kernel
         defined = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("apex_amp::")}
         assert defined == set(OP_NAMES)
+        for op_name in OP_NAMES:
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"apex_amp::{op_name}", "CPU"), op_name
+
+
+# In a child process that loads the compiled kernels without apex_amp: the C++ kernel of
+# fused_sgd_ is registered, and a schema that disagrees with it is then refused.
+WRONG_SCHEMA = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])  # the kernels alone: apex_amp itself would define the schema
+library = torch.library.Library("apex_amp", "FRAGMENT")
+try:
+    library.define("fused_sgd_(Tensor(a!)[] params, Tensor[] grads, float lr) -> ()")
+    print("accepted")
+except RuntimeError as error:
+    print("refused:", str(error).splitlines()[0])
+"""
+
+
+def test_a_schema_that_disagrees_with_the_cpp_launcher_is_refused():
+    # The one source of a signature is its Python definition; the dispatcher compares each C++
+    # launcher's own signature with it when both are known, so a drifted launcher fails at import.
+    if not STATUS.loaded:
+        pytest.skip(f"compiled extension not in use: {STATUS.reason}")
+    result = subprocess.run([sys.executable, "-c", WRONG_SCHEMA, STATUS.module.__file__], capture_output=True,
+                            text=True, timeout=120)
+    assert "refused: Inferred operator schema for a C++ kernel function doesn't match" in result.stdout, (
+        result.stdout + result.stderr)
 
 
 def test_backend_namespace_rejects_unknown_names():

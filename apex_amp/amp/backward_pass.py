@@ -1,7 +1,7 @@
 """``amp.scale_loss``: one backward pass, on a scaled loss, whose new gradients are then checked and unscaled.
 
 What happens to the gradients is the gradient lifecycle's (``gradients.py``);
-the accounting of the checked pass is the session's (``AmpSession.account_pass``).
+the accounting of the checked pass is the session's (``AmpSession.account``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import casting, sessions
-from .gradients import PassScale, settle_for_pass
+from .gradients import PassRecord, PassScale
 
 __all__ = ["scale_loss"]
 
@@ -116,7 +116,7 @@ def scale_loss(
         # skip; unscaling them would keep them out of DDP's next all-reduce.
         # FSDP2 keeps them inside itself until a synchronising backward.
         delay_unscale = True
-    settle_for_pass(lifecycles, lambda: (loss_id, scaler.scale_epoch))
+    session.settle_for_pass(lifecycles, loss_id)
     key = (loss_id, scaler.scale_epoch)
     begun = []
     try:
@@ -163,6 +163,6 @@ def scale_loss(
     )
     checked = [lifecycle for lifecycle in lifecycles if lifecycle.end_pass(scale, found_inf, delay_unscale)]
     if checked:
-        session.account_pass(loss_id, found_inf, checked, scale.inv_scale)
+        session.account(PassRecord(loss_id, found_inf, tuple(checked), scale.inv_scale))
     if session.properties.patch_torch_functions:
         casting.clear_cache()

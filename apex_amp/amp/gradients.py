@@ -69,10 +69,11 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..optimizers.fused_optimizer import AmpStepArgs, FusedOptimizer
 from . import _multi_tensor as mt
 from .master_weights import Fp32ValueOf, MasterLink, OptimizerParams, follow_model_layouts, reconcile_masters
 
-__all__ = ["GradState", "PassScale", "GradLifecycle", "settle_for_pass"]
+__all__ = ["GradState", "PassScale", "PassRecord", "GradLifecycle"]
 
 class GradState(enum.Enum):
     EMPTY = "no amp gradients since the last step"
@@ -111,6 +112,20 @@ class PassScale:
         return (self.loss_id, self.epoch)
 
 
+@dataclasses.dataclass(frozen=True)
+class PassRecord:
+    """A checked backward pass for the session to account (agree across ranks, update the scale, log).
+
+    ``settle`` returns one for a DELAYED accumulation it checks, ``scale_loss`` makes one for the
+    lifecycles ``end_pass`` checked; the lifecycle never accounts a pass itself.
+    """
+
+    loss_id: int
+    found_inf: Tensor
+    lifecycles: tuple["GradLifecycle", ...]
+    inv_scale: Tensor
+
+
 @dataclasses.dataclass
 class _OpenPass:
     resumes: GradState  # where abort_pass returns
@@ -126,10 +141,6 @@ class _OpenStep:
     running: Callable[[], bool]  # whether optimizer.step() is still on the stack (False: it raised)
 
 
-# account_pass(loss_id, found_inf, lifecycles, inv_scale): the session's accounting of a checked pass.
-AccountPass = Callable[[int, Tensor, Sequence["GradLifecycle"], Tensor], None]
-
-
 class GradLifecycle:
     """The gradients of one optimizer between its steps (never stored on the optimizer).
 
@@ -139,7 +150,6 @@ class GradLifecycle:
         device: where the flags live (the session's device).
         make_masters: param groups added later get masters too (O2).
         on_new_links: called with the masters of param groups added later.
-        account_pass: accounts a DELAYED accumulation's pass when it is finally checked.
         wrapped: the user passed a wrapper (LARC) whose step reads the gradients before this
             optimizer's: they are then never kept scaled.
         fp32_value_of: exact fp32 values known for the parameters of groups added later.
@@ -147,23 +157,22 @@ class GradLifecycle:
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, links: list[MasterLink], *, device: torch.device,
-        make_masters: bool, on_new_links: Callable[[list[MasterLink]], None], account_pass: AccountPass,
+        make_masters: bool, on_new_links: Callable[[list[MasterLink]], None],
         wrapped: bool = False, fp32_value_of: Optional[Fp32ValueOf] = None,
     ) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._device = device
-        self._account_pass = account_pass
-        # FusedAdam-like: step() takes found_inf / inv_scale / model_params and decides on the device.
-        self.takes_step_kwargs = bool(getattr(type(optimizer), "_apex_amp_step_kwargs", False))
+        # A fused optimizer's step takes AmpStepArgs: it unscales as it reads and skips on the device.
+        self.fused = isinstance(optimizer, FusedOptimizer)
         # Gradients may stay scaled until the step only if nothing reads them before it.
-        self.keeps_scaled = self.takes_step_kwargs and not wrapped
+        self.keeps_scaled = self.fused and not wrapped
         self.params = OptimizerParams(optimizer, links, make_masters=make_masters, on_new_links=on_new_links,
                                       fp32_value_of=fp32_value_of)
         self.state = GradState.EMPTY
         self.steps = 0  # optimizer.step() calls, taken or skipped
         self.kept_scale: Optional[PassScale] = None  # SCALED, DELAYED, SPENT: the scale the kept gradients carry
         self.held: dict[Tensor, Tensor] = {}  # SCALED: master -> its model param's scaled gradient
-        self._zero_grad_calls: Optional[int] = None  # SCALED: the optimizer's zero_grad count when held was filled
+        self._grad_clears: Optional[int] = None  # SCALED: the fused optimizer's zero_grad count when held was filled
         self.step_found_inf: Optional[Tensor] = None  # OR of the checked passes' flags since the last step
         self.last_step_found_inf: Optional[Tensor] = None
         self._masters_reconciled = False
@@ -228,7 +237,7 @@ class GradLifecycle:
         """``scale_loss`` entry: stash the gradients already there so the backward writes fresh ones.
 
         Args:
-            key: (loss_id, scale epoch) of the pass (after ``settle_for_pass``).
+            key: (loss_id, scale epoch) of the pass (after ``AmpSession.settle_for_pass``).
             local_accumulation: DDP ``no_sync()``: this pass's gradients must stay scaled in place.
         """
         self._recover_interrupted_step()
@@ -248,7 +257,8 @@ class GradLifecycle:
             self._open_pass = _OpenPass(GradState.DELAYED, [], continues_delayed=True)
             self._move(GradState.IN_PASS)
             return
-        self.settle()
+        if self.settle() is not None:  # settle_for_pass settled every DELAYED accumulation already
+            raise RuntimeError("apex_amp internal error: a delayed accumulation reached begin_pass unsettled")
         if local_accumulation and self._holds_grads():
             raise RuntimeError(
                 "amp.scale_loss under DistributedDataParallel.no_sync() (or FSDP2's "
@@ -281,7 +291,7 @@ class GradLifecycle:
     def end_pass(self, scale: PassScale, found_inf: Tensor, delay_unscale: bool) -> bool:
         """``scale_loss`` exit: check, unscale and add up the new gradients; returns whether ``found_inf`` covers them.
 
-        ``found_inf`` is the pass's flag: the caller accounts it (``AmpSession.account_pass``) when this returns True.
+        ``found_inf`` is the pass's flag: the caller accounts it (``AmpSession.account``) when this returns True.
         """
         opened, self._open_pass = self._open_pass, None
         stash = [None] * len(self.params.direct) if opened.continues_delayed else opened.stash
@@ -298,7 +308,7 @@ class GradLifecycle:
                 if link.model_param.grad is not None:
                     self.held[link.master] = link.model_param.grad
                     link.model_param.grad = None
-            self._zero_grad_calls = getattr(self._optimizer(), "zero_grad_calls", None)
+            self._grad_clears = self._optimizer().grad_clears
             self.kept_scale = scale
             self._move(GradState.SCALED)
             return scale.checked
@@ -314,12 +324,13 @@ class GradLifecycle:
         else:
             torch.maximum(self.step_found_inf, found_inf.to(self.step_found_inf.device), out=self.step_found_inf)
 
-    def settle(self) -> None:
+    def settle(self) -> Optional[PassRecord]:
         """Turn kept scaled gradients into true values: SCALED/DELAYED -> UNSCALED, SPENT -> EMPTY.
 
-        A DELAYED accumulation was never checked: its pass is accounted now, for its own loss.
-        Called before a pass of another scale, before a step, by ``prepare_to_read`` (SCALED and
-        SPENT only) and by the diagnostics; a no-op in the other states, and inside a running step.
+        A DELAYED accumulation was never checked: it is checked now, and its pass is returned
+        for the caller to account for its own loss. Called before a pass of another scale, before
+        a step, by ``prepare_to_read`` (SCALED and SPENT only) and by the diagnostics; a no-op in
+        the other states, and inside a running step.
         """
         self._recover_interrupted_step()
         kept = self.kept_scale
@@ -329,7 +340,7 @@ class GradLifecycle:
                 mt.unscale_(grads, self._scratch_flag(), kept.inv_scale)  # checked by their own pass
             self.kept_scale = None
             self._move(GradState.EMPTY)
-            return
+            return None
         if self.state is GradState.SCALED:
             self._follow_zero_grad()
             for master, grad in self.held.items():
@@ -338,14 +349,15 @@ class GradLifecycle:
             self._absorb([None] * len(self.params.direct), kept, self._scratch_flag())  # checked at end_pass
             self.kept_scale = None
             self._move(GradState.UNSCALED)
-            return
+            return None
         if self.state is GradState.DELAYED:
             found_inf = self._scratch_flag()
             self._absorb([None] * len(self.params.direct), kept, found_inf)
             self.kept_scale = None
             self._move(GradState.UNSCALED)
             if kept.checked:
-                self._account_pass(kept.loss_id, found_inf, [self], kept.inv_scale)
+                return PassRecord(kept.loss_id, found_inf, (self,), kept.inv_scale)
+        return None
 
     def prepare_to_read(self) -> None:
         """``amp.master_params``: make the gradients a reader finds on the optimizer's params true values.
@@ -358,7 +370,7 @@ class GradLifecycle:
         """
         self.take_in_param_groups()
         if self.state in (GradState.SCALED, GradState.SPENT):
-            self.settle()
+            self.settle()  # nothing to account: their passes were checked at end_pass
 
     def _scratch_flag(self) -> Tensor:
         return torch.zeros(1, device=self._device)
@@ -419,8 +431,8 @@ class GradLifecycle:
     def before_step(self, undo: Optional[Callable[[], None]], running: Callable[[], bool]) -> Optional[dict]:
         """The step pre-hook's part: what the step gets, and the skip of a non-fused step.
 
-        Returns the extra keyword arguments of a ``takes_step_kwargs`` optimizer's step (None for
-        others, whose skip is decided here on the host). ``undo`` runs if the step raises;
+        Returns the extra keyword arguments of a fused optimizer's step (``amp=AmpStepArgs(...)``;
+        None for others, whose skip is decided here on the host). ``undo`` runs if the step raises;
         ``running`` tells whether the step is still under way (False once it has raised).
         """
         self._recover_interrupted_step()
@@ -442,18 +454,15 @@ class GradLifecycle:
         found_inf = self.step_found_inf
         hidden: list[tuple[Tensor, Tensor]] = []
         step_kwargs = None
-        if self.takes_step_kwargs:
-            step_kwargs = {}
-            if found_inf is not None:
-                step_kwargs["found_inf"] = found_inf
+        if self.fused:
+            inv_scale = None
             if self.state is GradState.SCALED:
                 self._follow_zero_grad()
                 for master, grad in self.held.items():  # where the fused step reads them
                     self.params.model_param_of[master].grad = grad
                 if not self.kept_scale.unit:
-                    step_kwargs["inv_scale"] = self.kept_scale.inv_scale
-            if self.params.links:
-                step_kwargs["model_params"] = self.params.model_param_of
+                    inv_scale = self.kept_scale.inv_scale
+            step_kwargs = {"amp": AmpStepArgs(found_inf, inv_scale, self.params.model_param_of)}
         elif found_inf is not None and bool(found_inf.item()):  # the one host sync of non-fused optimizers
             # torch optimizers skip parameters without a gradient: weights, moments, step counts untouched.
             for p in self.params.ordered:
@@ -507,13 +516,12 @@ class GradLifecycle:
     def _follow_zero_grad(self) -> None:
         # optimizer.zero_grad() between scale_loss and the step clears the gradients amp took in
         # (the masters' .grad of a torch optimizer). Gradients held for a fused step are not on the
-        # params, so FusedAdam counts its zero_grad calls for amp to follow.
+        # params, so a FusedOptimizer counts its zero_grad calls (its part of the contract).
         optimizer = self._optimizer()
-        calls = getattr(optimizer, "zero_grad_calls", None)
-        if calls is None or calls == self._zero_grad_calls:
+        if optimizer.grad_clears == self._grad_clears:
             return
-        self._zero_grad_calls = calls
-        if optimizer.last_zero_grad_set_to_none:
+        self._grad_clears = optimizer.grad_clears
+        if optimizer.last_clear_set_to_none:
             self.held = {}
         else:
             for grad in self.held.values():
@@ -541,17 +549,3 @@ class GradLifecycle:
             follow_model_layouts(self.params.links, self._optimizer().state)
             reconcile_masters(self.params.links)
 
-
-def settle_for_pass(lifecycles: Sequence[GradLifecycle], current_key: Callable[[], tuple[int, int]]) -> None:
-    """Before a pass: settle every lifecycle that cannot add to its kept gradients in place.
-
-    Settling a DELAYED accumulation updates its loss's scale, which can change the key of
-    this very pass, so this repeats until no lifecycle needs it.
-    """
-    while True:
-        key = current_key()
-        stale = [lifecycle for lifecycle in lifecycles if lifecycle.must_settle_before(key)]
-        if not stale:
-            return
-        for lifecycle in stale:
-            lifecycle.settle()

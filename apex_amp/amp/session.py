@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import distributed
 from .fsdp2 import ShardedModels
-from .gradients import GradLifecycle
+from .gradients import GradLifecycle, PassRecord
 from .loss_scaler import LossScaler
 from .master_weights import LoadedValues, MasterLink
 from .opt_levels import AmpProperties
@@ -99,7 +99,7 @@ class AmpSession:
     def add_optimizer(self, optimizer: torch.optim.Optimizer, links: list[MasterLink], wrapped: bool = False) -> None:
         lifecycle = GradLifecycle(
             optimizer, links, device=self.device, make_masters=bool(self.properties.master_weights),
-            on_new_links=self.register_masters, account_pass=self.account_pass, wrapped=wrapped,
+            on_new_links=self.register_masters, wrapped=wrapped,
             fp32_value_of=self.loaded_values.take,
         )
         self.lifecycles[optimizer] = lifecycle
@@ -114,21 +114,35 @@ class AmpSession:
         return self.lifecycles[optimizer]
 
     # ---- one checked backward pass -----------------------------------------------------
-    def account_pass(
-        self, loss_id: int, found_inf: Tensor, lifecycles: Sequence[GradLifecycle], inv_scale: Tensor
-    ) -> None:
+    def account(self, record: PassRecord) -> None:
         """The one place a checked backward pass is accounted (no host sync unless reports are on).
 
         The ranks agree on its flag, its loss's scale is updated (and an overflow logged), each
         optimizer whose gradients it checked notes the flag for its next step, and an overflow
         report is recorded when the user asked for them.
         """
-        distributed.agree_on_overflow(found_inf, self.overflow_group)
-        self.scalers[loss_id].update(found_inf)
-        for lifecycle in lifecycles:
-            lifecycle.note_found_inf(found_inf)
+        distributed.agree_on_overflow(record.found_inf, self.overflow_group)
+        self.scalers[record.loss_id].update(record.found_inf)
+        for lifecycle in record.lifecycles:
+            lifecycle.note_found_inf(record.found_inf)
         if self.overflow_recorder is not None:
-            self.overflow_recorder.record(found_inf, loss_id, inv_scale, lifecycles)
+            self.overflow_recorder.record(record.found_inf, record.loss_id, record.inv_scale, record.lifecycles)
+
+    def settle_for_pass(self, lifecycles: Sequence[GradLifecycle], loss_id: int) -> None:
+        """Before a pass of ``loss_id``: settle every lifecycle that cannot add to its kept gradients in place.
+
+        Settling a DELAYED accumulation checks it, and accounting that pass updates its loss's
+        scale, which can change the key of this very pass: so this repeats until none needs it.
+        """
+        while True:
+            key = (loss_id, self.scalers[loss_id].scale_epoch)
+            stale = [lifecycle for lifecycle in lifecycles if lifecycle.must_settle_before(key)]
+            if not stale:
+                return
+            for lifecycle in stale:
+                record = lifecycle.settle()
+                if record is not None:
+                    self.account(record)
 
     def accumulates_in_fsdp2(self) -> bool:
         """Whether a backward now leaves its gradients inside FSDP2 (``set_requires_gradient_sync(False)``)."""

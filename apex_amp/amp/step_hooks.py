@@ -14,8 +14,8 @@ torch gives every optimizer (``register_step_pre_hook``), not from a replaced
   step and never warns about the call order when a step is skipped.
 
 What the step gets and when it is skipped is the gradient lifecycle's
-(``gradients.py``): an optimizer that takes amp's step keywords (FusedAdam)
-receives ``found_inf`` and decides on the device; any other optimizer has its
+(``gradients.py``): a fused optimizer (``apex_amp.optimizers.FusedOptimizer``)
+receives ``AmpStepArgs`` and decides on the device; any other optimizer has its
 gradients hidden for a skipped step (one host read per step, as with
 ``torch.amp.GradScaler``). The hooks add what is not about gradients: O1's
 casts are off during the step, the overflow log is flushed, and under O2 the
@@ -114,7 +114,7 @@ class StepHooks:
             return
         skipped = self.lifecycle.after_step()
         links = self.lifecycle.params.links
-        if links and not skipped and not self.lifecycle.takes_step_kwargs:
+        if links and not skipped and not self.lifecycle.fused:
             # A torch optimizer updated only the masters: refresh the half model copy.
             masters = [link.master.data for link in links]
             models = [link.model_param.data for link in links]

@@ -8,25 +8,29 @@
 // from the CPU the process runs on (see isa_dispatch.cpp).
 #pragma once
 
+#include "fused_rules.h"
 #include "cpu/list_parallel.h"
-
-namespace apex_amp {
-// Defined in amp_math.h, which the kernel files must include only after their
-// instruction-set pragma (kernels.inc), so it is not included here.
-struct AdamStepParams;
-}  // namespace apex_amp
 
 namespace apex_amp::cpu {
 
-// The tensors of one fused_adam_ call; model_params.data is null when the
-// call has no model copy.
-struct AdamOperands {
+// The most per-element state tensors a fused rule keeps (Adam's and LAMB's two moments).
+constexpr int kMaxRuleStates = 2;
+
+// The tensors of one fused optimizer step: params, grads, the rule's state
+// lists (the first kStates used), the O2 model copy (data null: none) and,
+// for rules that take one, a value per tensor of the lists.
+struct RuleOperands {
   OperandView params;
   OperandView grads;
-  OperandView exp_avgs;
-  OperandView exp_avg_sqs;
+  OperandView states[kMaxRuleStates];
   OperandView model_params;
+  const float* tensor_values;
 };
+
+// One member per fused rule (fused_rules.h): runs the rule over every unit,
+// grads multiplied by inv_scale, the hyper-parameters already prepared for the step.
+#define APEX_AMP_RULE_MEMBER(name, Hyper) \
+  void (*name)(const PlanView& plan, const RuleOperands& tensors, const Hyper& hyper, float inv_scale);
 
 // Kernels that check values return true when they met an inf or NaN.
 struct KernelTable {
@@ -42,11 +46,18 @@ struct KernelTable {
       float b);
   // Writes the fp32 sum of squares of each work unit to unit_sums[unit].
   void (*sum_of_squares)(const PlanView& plan, const OperandView& tensors, float* unit_sums);
-  void (*adam)(
+  // Writes the largest |x| of each work unit to unit_maxes[unit] (NaN if the unit holds one).
+  void (*max_abs)(const PlanView& plan, const OperandView& tensors, float* unit_maxes);
+  // LAMB's first pass: updates the moments and writes, per unit, the sums of
+  // squares of the params and of the update directions.
+  void (*lamb_moments)(
       const PlanView& plan,
-      const AdamOperands& tensors,
-      const AdamStepParams& hyper,
-      float inv_scale);
+      const RuleOperands& tensors,
+      const LambHyper& hyper,
+      float inv_scale,
+      float* unit_param_squares,
+      float* unit_direction_squares);
+  APEX_AMP_FUSED_RULES(APEX_AMP_RULE_MEMBER)
 };
 
 // nullptr when this build or this compiler could not produce the variant.

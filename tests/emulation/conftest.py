@@ -36,6 +36,11 @@ def pytest_configure(config):
             f"the emulated kernels are compared with the compiled CPU kernels, but apex_amp._C "
             f"is {STATUS.reason}; build it with `bash scripts/setup.sh`")
     torch.ops.load_library(library)
+    # The emulated launchers register kernels only; their schemas are apex_amp's, from the one
+    # definition of each op (apex_amp/_op_registry.py), under the emulation's namespace.
+    from apex_amp._op_registry import OPS, define_schemas
+
+    define_schemas("apex_amp_emulated", OPS.values())
     # The CPU kernels need no second thread for these sizes, and the machine is shared.
     torch.set_num_threads(1)
 

@@ -5,7 +5,8 @@
 Writes a ninja file to build/emulation/ and runs ninja (incremental; MAX_JOBS
 jobs, default 2). Two targets, both with AddressSanitizer, UBSan and gcov:
 
-  libapex_amp_emulated.so  csrc/ops.cpp and csrc/cuda/*.cu compiled as host C++
+  libapex_amp_emulated.so  csrc/cuda/*.cu compiled as host C++ (the schemas come from
+                           apex_amp's op registry, defined by conftest.py)
                            with cpp/emulated_ops_prelude.h force-included, plus the
                            emulated device (cpp/runtime.cpp, cpp/fiber.cpp) and the
                            test-only ops (cpp/inspection_ops.cpp). Its ops are
@@ -117,7 +118,7 @@ def ninja_file(chunk_size: int, out: Path) -> str:
         return q(str(obj))
 
     emulated = f"-x c++ -include {q(str(prelude))}"
-    csrc_objects = [compile_step(CSRC / "ops.cpp", "ops", emulated)]
+    csrc_objects = []
     for source in sorted((CSRC / "cuda").glob("*.cu")):
         csrc_objects.append(compile_step(source, source.stem, emulated))
     device = [compile_step(HERE / "cpp" / "runtime.cpp", "runtime"),

@@ -96,7 +96,7 @@ class OverflowRecorder:
     def record(
         self, found_inf: Tensor, loss_id: int, inv_scale: Tensor, lifecycles: Sequence[GradLifecycle]
     ) -> None:
-        """Called by ``AmpSession.account_pass`` after each checked pass: counts the non-finite values on overflow."""
+        """Called by ``AmpSession.account`` after each checked pass: counts the non-finite values on overflow."""
         if not bool(found_inf.item()):  # the opt-in host read
             return
         grads = []

@@ -1,0 +1,122 @@
+"""FusedAdagrad: apex's FusedAdagrad, one ``fused_adagrad_`` op call per param group and device.
+
+The op is defined here, by its pure-PyTorch implementation (apex_amp/_op_registry.py); its
+math is amp_math.h's ``AdagradHyper`` rule, run by csrc/cpu/fused_adagrad_cpu.cpp and
+csrc/cuda/fused_adagrad_cuda.cu.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import Tensor
+
+from .. import _checks as check
+from .. import ops
+from .._fallback import as_fp32, commit, f32, shaped_like, step_taken
+from .._op_registry import define
+from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer
+
+__all__ = ["FusedAdagrad"]
+
+_OP = "fused_adagrad_"
+
+
+def _fake_fused_adagrad(params, grads, state_sums, model_params, lr, eps, weight_decay, adagrad_w_mode,
+                        inv_scale=None, found_inf=None) -> None:
+    device = next((t.device for t in (*params, inv_scale, found_inf) if t is not None), torch.device("cpu"))
+    check.fused_step(_OP, device, params, grads, {"state_sums": state_sums}, model_params, inv_scale, found_inf)
+    check.host_numbers(_OP, lr=(lr, lr >= 0.0, ">= 0"), eps=(eps, eps >= 0.0, ">= 0"),
+                       weight_decay=(weight_decay, weight_decay >= 0.0, ">= 0"))
+
+
+@define(_OP, mutates_args=("params", "state_sums", "model_params"), fake=_fake_fused_adagrad)
+def fused_adagrad_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state_sums: list[Tensor],
+    model_params: list[Tensor],
+    lr: float,
+    eps: float,
+    weight_decay: float,
+    adagrad_w_mode: bool,
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """Adagrad over whole lists: grads unscaled by ``inv_scale``, ``state_sums`` += grad², weight decay
+    added to the gradient (L2) or to the update (``adagrad_w_mode``), the fp16/bf16 ``model_params``
+    written from the updated fp32 params; nothing changes when ``found_inf`` is non-zero."""
+    _fake_fused_adagrad(params, grads, state_sums, model_params, lr, eps, weight_decay, adagrad_w_mode,
+                        inv_scale, found_inf)
+    check.fused_memory(_OP, params, {"state_sums": state_sums}, model_params)
+    taken = step_taken(found_inf)
+    if taken is False or not params:
+        return
+    grads, state_sums, model_params = (shaped_like(t, params) for t in (grads, state_sums, model_params))
+    lr, eps, weight_decay = f32(lr), f32(eps), f32(weight_decay)
+    grad = as_fp32(grads)
+    if inv_scale is not None:
+        grad = torch._foreach_mul(grad, inv_scale.reshape(()))
+    param = as_fp32(params)
+    if not adagrad_w_mode:
+        grad = torch._foreach_add(grad, torch._foreach_mul(param, weight_decay))
+    total = torch._foreach_add(as_fp32(state_sums), torch._foreach_mul(grad, grad))
+    update = torch._foreach_div(grad, torch._foreach_add(torch._foreach_sqrt(total), eps))
+    if adagrad_w_mode:
+        update = torch._foreach_add(update, torch._foreach_mul(param, weight_decay))
+    param = torch._foreach_sub(param, torch._foreach_mul(update, lr))
+    commit(state_sums, total, taken)
+    commit(params, param, taken)
+    commit(model_params, param, taken)
+
+
+class FusedAdagrad(FusedOptimizer):
+    """Adagrad whose update is one fused pass over all tensors of a param group (apex's FusedAdagrad).
+
+    Per parameter the state holds ``sum`` (the running sum of squared gradients, as
+    ``torch.optim.Adagrad`` names it; apex's rule has no ``lr_decay`` and starts the sum at 0).
+    Under ``amp.initialize`` and ``torch.amp.GradScaler`` the gradients are unscaled as they
+    are read and an overflowed step is skipped on the device.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        eps: added to the denominator.
+        weight_decay: weight decay factor.
+        set_grad_none: ``zero_grad()`` sets gradients to None (else zeroes them).
+        adagrad_w_mode: decoupled weight decay (added to the update) instead of L2 (added to the gradient).
+
+    Example::
+
+        >>> optimizer = FusedAdagrad(model.parameters(), lr=1e-2)
+    """
+
+    STATE_KEYS = ("sum",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-2,
+        eps: float = 1e-10,
+        weight_decay: float = 0.0,
+        set_grad_none: bool = True,
+        adagrad_w_mode: bool = False,
+    ) -> None:
+        if lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}; it must be >= 0")
+        if eps < 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps}; it must be >= 0")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}; it must be >= 0")
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay), set_grad_none=set_grad_none)
+        self.adagrad_w_mode = bool(adagrad_w_mode)
+
+    def _fused_step(self, group: dict[str, Any], batch: FusedBatch, amp: AmpStepArgs) -> None:
+        device = batch.device
+        ops.fused_adagrad_(
+            batch.params, batch.grads, batch.states["sum"], batch.model_params,
+            float(group["lr"]), float(group["eps"]), float(group["weight_decay"]), self.adagrad_w_mode,
+            None if amp.inv_scale is None else amp.inv_scale.to(device),
+            None if amp.found_inf is None else amp.found_inf.to(device),
+        )

@@ -1,0 +1,264 @@
+"""FusedLAMB and FusedMixedPrecisionLamb: apex's LAMB, one ``fused_lamb_`` op call per param group and device.
+
+The op is defined here, by its pure-PyTorch implementation (apex_amp/_op_registry.py); its
+math is amp_math.h's ``lamb_moments`` and ``LambHyper`` rule, run by csrc/cpu/fused_lamb_cpu.cpp
+and csrc/cuda/fused_lamb_cuda.cu. The global gradient norm of the clip is one ``l2norm`` op
+call over every gradient of the step, on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import _checks as check
+from .. import ops
+from .._dtensor import is_dtensor
+from .._fallback import commit, f32, shaped_like, step_taken
+from .._op_registry import define
+from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer
+
+__all__ = ["FusedLAMB", "FusedMixedPrecisionLamb"]
+
+_OP = "fused_lamb_"
+
+
+def _fake_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, step, grad_norm, lr, beta1, beta2,
+                     eps, weight_decay, bias_correction, grad_averaging, adam_w_mode, max_grad_norm,
+                     use_nvlamb, inv_scale=None, found_inf=None) -> None:
+    device = step.device
+    check.fused_step(_OP, device, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+                     model_params, inv_scale, found_inf)
+    check.scalars(_OP, device, step=step, grad_norm=grad_norm)
+    check.host_numbers(
+        _OP, lr=(lr, lr >= 0.0, ">= 0"), beta1=(beta1, 0.0 <= beta1 < 1.0, "in [0, 1)"),
+        beta2=(beta2, 0.0 <= beta2 < 1.0, "in [0, 1)"), eps=(eps, eps >= 0.0, ">= 0"),
+        weight_decay=(weight_decay, weight_decay >= 0.0, ">= 0"),
+        max_grad_norm=(max_grad_norm, max_grad_norm > 0.0, "> 0 (inf: no clipping)"))
+
+
+@define(_OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "step"), fake=_fake_fused_lamb)
+def fused_lamb_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    model_params: list[Tensor],
+    step: Tensor,
+    grad_norm: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    grad_averaging: bool,
+    adam_w_mode: bool,
+    max_grad_norm: float,
+    use_nvlamb: bool,
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """LAMB over whole lists: gradients unscaled by ``inv_scale`` and divided by the global-norm clip
+    (``grad_norm``, the norm of the gradients as given, times ``inv_scale``, over ``max_grad_norm``
+    when above it), Adam's moments, the update direction (plus decoupled decay in ``adam_w_mode``,
+    L2 decay into the gradient otherwise), applied with lr times each tensor's trust ratio
+    ||param|| / ||direction|| (when decay is on or ``use_nvlamb``); ``step`` incremented first, the
+    fp16/bf16 ``model_params`` written from the updated fp32 params. Nothing changes when
+    ``found_inf`` is non-zero."""
+    _fake_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, step, grad_norm, lr, beta1, beta2,
+                     eps, weight_decay, bias_correction, grad_averaging, adam_w_mode, max_grad_norm,
+                     use_nvlamb, inv_scale, found_inf)
+    check.fused_memory(_OP, params, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, model_params)
+    taken = step_taken(found_inf)
+    if taken is False:
+        return
+    step_after = step + 1.0
+    if params:
+        grads, exp_avgs, exp_avg_sqs, model_params = (
+            shaped_like(t, params) for t in (grads, exp_avgs, exp_avg_sqs, model_params))
+        lr, beta1, beta2, eps, weight_decay = (f32(v) for v in (lr, beta1, beta2, eps, weight_decay))
+        beta3 = f32(1.0 - beta1) if grad_averaging else 1.0
+        count = step_after.reshape(()).double()
+        ones = torch.ones((), device=step.device)
+        bc1 = (1.0 - torch.pow(beta1, count)).float() if bias_correction else ones
+        bc2 = (1.0 - torch.pow(beta2, count)).float() if bias_correction else ones
+        unscale = ones if inv_scale is None else inv_scale.reshape(())
+        norm = grad_norm.reshape(()) * unscale
+        clip = torch.where(norm > f32(max_grad_norm), norm / f32(max_grad_norm), ones)
+        new_params, new_avgs, new_sqs = [], [], []
+        for i, param in enumerate(params):
+            p = param.float()
+            grad = grads[i].float() * unscale / clip
+            if not adam_w_mode:
+                grad = grad + weight_decay * p
+            m = exp_avgs[i].float() * beta1 + beta3 * grad
+            v = exp_avg_sqs[i].float() * beta2 + f32(1.0 - beta2) * grad * grad
+            direction = (m / bc1) / (torch.sqrt(v / bc2) + eps)
+            if adam_w_mode:
+                direction = direction + weight_decay * p
+            param_norm = torch.linalg.vector_norm(p)
+            direction_norm = torch.linalg.vector_norm(direction)
+            use_ratio = (use_nvlamb or weight_decay != 0.0)
+            ratio = torch.where((param_norm != 0) & (direction_norm != 0) & use_ratio,
+                                lr * (param_norm / direction_norm), lr * ones)
+            new_params.append(p - ratio * direction)
+            new_avgs.append(m)
+            new_sqs.append(v)
+        commit(exp_avgs, new_avgs, taken)
+        commit(exp_avg_sqs, new_sqs, taken)
+        commit(params, new_params, taken)
+        commit(model_params, new_params, taken)
+    commit([step], [step_after], taken)
+
+
+class FusedLAMB(FusedOptimizer):
+    """LAMB whose update is two fused passes over all tensors of a param group (apex's FusedLAMB).
+
+    Adam's moments with a trust ratio per tensor (||param|| / ||update||), after clipping the
+    gradients by their global norm (``max_grad_norm``), all on the device: no host sync in a
+    step. State per parameter: ``exp_avg``, ``exp_avg_sq`` and the group's shared ``step``.
+    Under ``amp.initialize`` (O2: fp32 masters, the half model copy written in the same pass)
+    and ``torch.amp.GradScaler`` the gradients are unscaled as they are read (the clip sees
+    the unscaled norm) and an overflowed step is skipped on the device.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        bias_correction: apply Adam's bias correction.
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to the denominator.
+        weight_decay: weight decay factor.
+        amsgrad: not supported (raises, as apex's FusedLAMB).
+        adam_w_mode: decoupled weight decay (added to the update) instead of L2 (added to the gradient).
+        grad_averaging: scale the gradient by (1 - beta1) in the first moment.
+        set_grad_none: ``zero_grad()`` sets gradients to None (else zeroes them).
+        max_grad_norm: clip the gradients to this global L2 norm (inf: no clipping).
+        use_nvlamb: apply the trust ratio also to parameters without weight decay (NVLAMB).
+
+    Example::
+
+        >>> optimizer = FusedLAMB(model.parameters(), lr=1e-3, weight_decay=0.01)
+    """
+
+    STATE_KEYS = ("exp_avg", "exp_avg_sq")
+    COUNTS_STEPS = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Union[float, Tensor] = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        set_grad_none: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+        *,
+        master_weights: bool = False,
+        master_dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16),
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
+        if float(lr) < 0.0 or eps < 0.0 or weight_decay < 0.0:
+            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {float(lr)}, {eps}, {weight_decay}")
+        if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"Invalid betas: {betas}; both must be in [0, 1)")
+        if not max_grad_norm > 0.0:
+            raise ValueError(f"max_grad_norm must be > 0 (float('inf') turns clipping off), got {max_grad_norm}")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights,
+                         master_dtypes=master_dtypes)
+        self.adam_w_mode = bool(adam_w_mode)
+        self.use_nvlamb = bool(use_nvlamb)
+        self._grad_norms: dict[torch.device, Tensor] = {}
+
+    def _before_groups(self, batches: list[tuple[dict[str, Any], FusedBatch]], amp: AmpStepArgs) -> None:
+        # apex clips by the norm of every gradient of the step, all groups together.
+        per_device: dict[torch.device, list[Tensor]] = {}
+        for _, batch in batches:
+            if any(is_dtensor(p) for p in batch.owners):
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support parameters sharded by FSDP2: its trust ratios and "
+                    "global norm need whole tensors; use FusedAdam, or LAMB without fully_shard")
+            per_device.setdefault(batch.device, []).extend(batch.grads)
+        norms = {device: ops.l2norm(grads)[0] for device, grads in per_device.items()}
+        if len(norms) > 1:  # several devices: one global norm, on each of them
+            first = next(iter(norms.values()))
+            total = torch.stack([n.to(first.device) for n in norms.values()]).norm()
+            norms = {device: total.to(device) for device in norms}
+        self._grad_norms = norms
+
+    def _fused_step(self, group: dict[str, Any], batch: FusedBatch, amp: AmpStepArgs) -> None:
+        device = batch.device
+        beta1, beta2 = group["betas"]
+        ops.fused_lamb_(
+            batch.params, batch.grads, batch.states["exp_avg"], batch.states["exp_avg_sq"], batch.model_params,
+            batch.step, self._grad_norms[device].reshape(1), float(group["lr"]), beta1, beta2,
+            float(group["eps"]), float(group["weight_decay"]), bool(group["bias_correction"]),
+            bool(group["grad_averaging"]), self.adam_w_mode, float(group["max_grad_norm"]), self.use_nvlamb,
+            None if amp.inv_scale is None else amp.inv_scale.to(device),
+            None if amp.found_inf is None else amp.found_inf.to(device),
+        )
+
+
+class FusedMixedPrecisionLamb(FusedLAMB):
+    """apex's FusedMixedPrecisionLamb: FusedLAMB for parameters in a reduced precision, with fp32 state.
+
+    Parameters of ``reduced_precision_dtype`` (fp16 or bf16) get fp32 master copies in the
+    optimizer state (``master_param``, saved and loaded with it), which the step updates in
+    their place, rewriting the reduced-precision parameter in the same pass; their moments are
+    fp32. ``lr`` may be a tensor, as in apex (a CUDA tensor is read once per step: a host sync);
+    ``step`` sets the step count the groups start from. Driven by ``torch.amp.GradScaler``
+    (``scaler.step(optimizer)``, or apex's ``optimizer.step(grad_scaler=scaler)``) it unscales
+    the gradients as it reads them and skips an overflowed step on the device.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate (a number or a one-element tensor).
+        step: the initial step count.
+        bias_correction, betas, eps, weight_decay, amsgrad, adam_w_mode, grad_averaging,
+            max_grad_norm, use_nvlamb: as :class:`FusedLAMB`.
+        reduced_precision_dtype: the dtype of the parameters that get fp32 masters (None: none).
+
+    Example::
+
+        >>> model = model.to(torch.bfloat16)
+        >>> optimizer = FusedMixedPrecisionLamb(model.parameters(), lr=1e-3,
+        ...                                     reduced_precision_dtype=torch.bfloat16)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Union[float, Tensor] = 1e-3,
+        step: int = 0,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+        reduced_precision_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"reduced_precision_dtype must be torch.float16, torch.bfloat16 or None, got {reduced_precision_dtype}")
+        super().__init__(
+            params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
+            amsgrad=amsgrad, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging, set_grad_none=True,
+            max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb,
+            master_weights=reduced_precision_dtype is not None,
+            master_dtypes=() if reduced_precision_dtype is None else (reduced_precision_dtype,))
+        self.reduced_precision_dtype = reduced_precision_dtype
+        self.initial_step = float(step)

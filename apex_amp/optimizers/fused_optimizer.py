@@ -1,0 +1,344 @@
+"""What every fused optimizer shares, and its contract with amp and with ``torch.amp.GradScaler``.
+
+A fused optimizer is a subclass of :class:`FusedOptimizer` that declares its
+per-element state (``STATE_KEYS``), whether it counts steps, and one method,
+``_fused_step``, which makes one op call for a :class:`FusedBatch`: the
+tensors of one param group on one device. The base class owns everything
+else: grouping by device and by whether a half model copy is written, the
+state and the shared step count, the O2 model copy written in the same pass,
+optimizer-owned fp32 masters (``master_weights=True``), sparse-gradient
+refusal, ``zero_grad`` and ``load_state_dict``.
+
+The contract with amp is typed: amp's gradient lifecycle recognises a
+``FusedOptimizer`` and passes :class:`AmpStepArgs` to ``step(amp=...)``
+(the overflow flag, the inverse scale of gradients left scaled, the half
+model parameters of the fp32 masters), so the step unscales as it reads and
+skips on the device. ``grad_clears`` / ``last_clear_set_to_none`` tell amp
+when ``zero_grad`` ran. ``torch.amp.GradScaler`` drives the same step through
+its own protocol (``_step_supports_amp_scaling``: it sets ``grad_scale`` and
+``found_inf`` on the optimizer), and apex's ``step(grad_scaler=...)`` works too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from .._dtensor import local_tensor
+from .._dtypes import HALF_DTYPES
+
+__all__ = ["AmpStepArgs", "FusedBatch", "FusedOptimizer"]
+
+# apex's optimizers once took these step() arguments; apex raised on them, with this message.
+_APEX_LEGACY_ARGUMENTS = ("grads", "output_params", "scale", "grad_norms")
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpStepArgs:
+    """What amp hands a fused optimizer's step.
+
+    Args:
+        found_inf: one-element float32 flag; non-zero makes the whole step a no-op (on the device).
+        inv_scale: one-element float32 factor of gradients left scaled (unscaled as they are read).
+        model_params: ``{fp32 master: half model param}``; a master without ``.grad`` takes its
+            model param's gradient, and the model param is rewritten in the same pass.
+    """
+
+    found_inf: Optional[Tensor] = None
+    inv_scale: Optional[Tensor] = None
+    model_params: Mapping[Tensor, Tensor] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class FusedBatch:
+    """The tensors of one op call: one param group, one device, with or without a model copy.
+
+    ``owners`` are the optimizer's params (whose state holds the step), ``params`` what is
+    updated (the params, or optimizer-owned masters), ``states`` the per-element state lists by
+    key, ``new_state`` whether each param's state was created for this step. DTensors (FSDP2)
+    are their local shards: the ops are elementwise per tensor.
+    """
+
+    device: torch.device
+    owners: list[Tensor] = dataclasses.field(default_factory=list)
+    params: list[Tensor] = dataclasses.field(default_factory=list)
+    grads: list[Tensor] = dataclasses.field(default_factory=list)
+    states: dict[str, list[Tensor]] = dataclasses.field(default_factory=dict)
+    model_params: list[Tensor] = dataclasses.field(default_factory=list)
+    new_state: list[bool] = dataclasses.field(default_factory=list)
+    step: Optional[Tensor] = None  # the group's shared step count (optimizers that count steps)
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base of apex_amp's fused optimizers (see the module docstring for the contract).
+
+    Args:
+        params: parameters or param groups.
+        defaults: the group hyper-parameters.
+        set_grad_none: ``zero_grad()`` sets gradients to None (else zeroes them).
+        master_weights: keep fp32 masters of fp16/bf16 params in the state (``master_param``),
+            updated in their place, the half param rewritten in the same pass (without amp).
+        master_dtypes: which param dtypes get such masters (default: fp16 and bf16).
+
+    Example::
+
+        >>> class MyFused(FusedOptimizer):
+        ...     STATE_KEYS = ("exp_avg",)
+        ...     def _fused_step(self, group, batch, amp):
+        ...         ops.my_op_(batch.params, batch.grads, batch.states["exp_avg"], batch.model_params,
+        ...                    lr=group["lr"], inv_scale=amp.inv_scale, found_inf=amp.found_inf)
+    """
+
+    STATE_KEYS: ClassVar[tuple[str, ...]] = ()  # per-element state, shaped and laid out like the param
+    COUNTS_STEPS: ClassVar[bool] = False  # a shared "step" tensor per group and device
+    initial_step: float = 0.0  # the step count a group starts from
+    # torch.amp.GradScaler's protocol: it sets self.grad_scale / self.found_inf and calls step().
+    _step_supports_amp_scaling: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        set_grad_none: bool = True,
+        master_weights: bool = False,
+        master_dtypes: tuple[torch.dtype, ...] = HALF_DTYPES,
+    ) -> None:
+        super().__init__(params, defaults)
+        self._group_keys = tuple(defaults)  # torch's load_state_dict adds its own keys to self.defaults
+        self.set_grad_none = bool(set_grad_none)
+        self.master_weights = bool(master_weights)
+        self.master_dtypes = tuple(master_dtypes)
+        # amp keeps gradients it left scaled for the fused step off the params, where zero_grad
+        # cannot reach them; it follows these two to clear them as zero_grad would have.
+        self.grad_clears = 0
+        self.last_clear_set_to_none = True
+
+    # ---- what a subclass writes ---------------------------------------------------------------
+    def _fused_step(self, group: dict[str, Any], batch: FusedBatch, amp: AmpStepArgs) -> None:
+        """One op call updating ``batch`` with ``group``'s hyper-parameters."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _fused_step")
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The per-element state lists of ``group``'s op call (default: ``STATE_KEYS``)."""
+        return self.STATE_KEYS
+
+    def _new_state(self, target: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """The state of a param seen for the first time (``target``: what is updated)."""
+        return {key: torch.zeros_like(target, memory_format=torch.preserve_format)
+                for key in self._state_keys(group)}
+
+    def _before_groups(self, batches: list[tuple[dict[str, Any], FusedBatch]], amp: AmpStepArgs) -> None:
+        """Called once per step with every batch, before the first op call (LAMB's global norm)."""
+
+    # ---- zero_grad -------------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """Clear gradients: to None when ``set_to_none`` (default: the ``set_grad_none`` flag), else to 0."""
+        set_to_none = self.set_grad_none if set_to_none is None else bool(set_to_none)
+        super().zero_grad(set_to_none=set_to_none)
+        self.grad_clears += 1
+        self.last_clear_set_to_none = set_to_none
+
+    # ---- step ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, amp: Optional[AmpStepArgs] = None,
+             **apex_arguments: Any) -> Any:
+        """One fused step of every param group.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+            amp: what amp hands the step (:class:`AmpStepArgs`); given by amp's step hook.
+            apex_arguments: ``grad_scaler=`` (apex's way of passing a ``torch.amp.GradScaler``);
+                apex's old ``grads``, ``output_params``, ``scale`` and ``grad_norms`` raise, as in apex.
+        """
+        amp = self._resolve_scaling(amp, apex_arguments)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        batches = [(group, batch) for group in self.param_groups for batch in self._batches(group, amp)]
+        self._before_groups(batches, amp)
+        for group, batch in batches:
+            self._fused_step(group, batch, amp)
+        return loss
+
+    def _resolve_scaling(self, amp: Optional[AmpStepArgs], apex_arguments: dict[str, Any]) -> AmpStepArgs:
+        legacy = [name for name in _APEX_LEGACY_ARGUMENTS if apex_arguments.get(name) is not None]
+        if legacy:
+            raise RuntimeError(
+                f"{type(self).__name__}.step() got {legacy}: apex's optimizers dropped these arguments. "
+                "Initialize it identically to the torch.optim optimizer and call step() with no arguments")
+        unknown = set(apex_arguments) - set(_APEX_LEGACY_ARGUMENTS) - {"grad_scaler"}
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.step() got unexpected keyword arguments {sorted(unknown)}")
+        grad_scaler = apex_arguments.get("grad_scaler")
+        # torch.amp.GradScaler.step sets these two attributes for an optimizer that scales itself.
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        from_scaler = grad_scaler is not None or found_inf is not None
+        if amp is not None and from_scaler:
+            raise RuntimeError(
+                f"{type(self).__name__}.step() was driven by amp and by a torch.amp.GradScaler at once; "
+                "use one of them: amp.initialize with amp.scale_loss, or GradScaler without amp")
+        if amp is not None:
+            return amp
+        if grad_scaler is not None:
+            scale = grad_scaler._get_scale_async()
+            found = grad_scaler._check_inf_per_device(self)
+            found_inf = sum(flag.to(scale.device) for flag in found.values()) if found else None
+            grad_scale = scale
+        if not from_scaler:
+            return AmpStepArgs()
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float().reshape(1)
+        return AmpStepArgs(found_inf=None if found_inf is None else found_inf.float().reshape(1),
+                           inv_scale=inv_scale)
+
+    # ---- batching --------------------------------------------------------------------------------
+    def _batches(self, group: dict[str, Any], amp: AmpStepArgs) -> list[FusedBatch]:
+        # (device, writes a model copy) -> one batch, in param order.
+        batches: dict[tuple[torch.device, bool], FusedBatch] = {}
+        keys = self._state_keys(group)
+        for p in group["params"]:
+            model_param = amp.model_params.get(p) if amp.model_params else None
+            grad = p.grad
+            if grad is None and model_param is not None:
+                grad = model_param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam "
+                    "or torch.optim.SGD for sparse parameters (e.g. nn.Embedding(sparse=True))")
+            state = self.state[p]
+            target = p
+            if model_param is None and self.master_weights and p.dtype in self.master_dtypes:
+                if "master_param" not in state:
+                    state["master_param"] = p.detach().to(torch.float32)
+                target, model_param = state["master_param"], p
+            created = not all(key in state for key in keys) or (self.COUNTS_STEPS and "step" not in state)
+            if created:
+                for key, value in self._new_state(target, group).items():
+                    state.setdefault(key, value)
+            key = (p.device, model_param is not None)
+            batch = batches.get(key)
+            if batch is None:  # not setdefault: that would build a fresh batch for every param
+                batch = batches[key] = FusedBatch(p.device, states={name: [] for name in keys})
+            batch.owners.append(p)
+            batch.params.append(local_tensor(target))
+            batch.grads.append(local_tensor(grad))
+            for name in keys:
+                batch.states[name].append(local_tensor(state[name]))
+            if model_param is not None:
+                batch.model_params.append(local_tensor(model_param))
+            batch.new_state.append(created)
+        merged = _merge_fp32_into_copy_batches(batches)
+        if self.COUNTS_STEPS:
+            self._attach_steps(group, merged)
+        return merged
+
+    def _attach_steps(self, group: dict[str, Any], batches: list[FusedBatch]) -> None:
+        # The op increments the step it is given. With two batches on one device (params with
+        # and without a model copy, not merged), the shared step goes to the first and a copy
+        # of its old value to the second.
+        shared: dict[torch.device, Tensor] = {}
+        before: dict[torch.device, Tensor] = {}
+        for batch in batches:
+            device = batch.device
+            if device not in shared:
+                step = shared[device] = self._shared_step([p for p in group["params"] if p.device == device], device)
+                if sum(1 for other in batches if other.device == device) > 1:
+                    before[device] = step.clone()
+                batch.step = step
+            else:
+                batch.step = before[device].clone()
+            for p in batch.owners:
+                self.state[p]["step"] = shared[device]
+
+    def _shared_step(self, params: list[Tensor], device: torch.device) -> Tensor:
+        # One step tensor per group and device, referenced by every param's state.
+        step = None
+        for p in params:
+            candidate = self.state.get(p, {}).get("step")
+            if isinstance(candidate, Tensor):
+                step = candidate
+                break
+        if step is None:
+            return torch.full((), float(self.initial_step), dtype=torch.float32, device=device)
+        if step.device != device or step.dtype != torch.float32:
+            step = step.to(device=device, dtype=torch.float32)
+        for p in params:
+            own = self.state.get(p, {}).get("step")
+            if own is None or own is step:
+                continue
+            # Loaded state holds one tensor per param: link them (a host read, once after a load).
+            if not torch.equal(torch.as_tensor(own, dtype=torch.float32).to(device).reshape(()), step.reshape(())):
+                raise RuntimeError(
+                    f"{type(self).__name__} keeps one step count per param group, but the loaded state has "
+                    f"different step counts ({float(own)} and {float(step)}) within one group; put parameters "
+                    "with different histories in different param groups")
+            self.state[p]["step"] = step
+        return step
+
+    # ---- state_dict ------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by ``state_dict()`` (also the matching ``torch.optim`` optimizer's layout)."""
+        # torch casts loaded state to each param's dtype; the fp32 masters and the state of
+        # half params under master_weights=True must stay fp32.
+        fp32_keys = ("master_param", *self.STATE_KEYS)
+        saved_ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        keep_fp32 = {
+            index: {key: value for key, value in state_dict["state"].get(index, {}).items()
+                    if key in fp32_keys and isinstance(value, Tensor) and value.dtype == torch.float32}
+            for index in saved_ids
+            if "master_param" in state_dict["state"].get(index, {})
+        }
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # a torch.optim state may lack some of our group keys
+            for key in self._group_keys:
+                group.setdefault(key, self.defaults[key])
+        for state in self.state.values():
+            # torch keeps the loaded step tensors as they are; the ops increment ours in place,
+            # so own them rather than alias the caller's dict.
+            if isinstance(state.get("step"), Tensor):
+                state["step"] = state["step"].clone()
+        params = list(itertools.chain.from_iterable(g["params"] for g in self.param_groups))
+        for index, param in zip(saved_ids, params):
+            for key, value in keep_fp32.get(index, {}).items():
+                self.state[param][key] = value.to(param.device)
+            if param in self.state:
+                _lay_out_like(self.state[param], param, fp32_keys)
+
+
+# fp32 params without a model copy join the batch of those with one (typically the fp32
+# BatchNorm params next to O2's half model params), each passed as its own model copy: the
+# ops allow model_params[i] to be params[i] and write the same value twice, to cache lines
+# just written, which costs less than the fixed overhead of a second call and a copy of the
+# step (benchmarks/README.md has the measurement).
+def _merge_fp32_into_copy_batches(batches: dict[tuple[torch.device, bool], FusedBatch]) -> list[FusedBatch]:
+    for device in {device for device, _ in batches}:
+        with_copy, without = batches.get((device, True)), batches.get((device, False))
+        if with_copy is None or without is None:
+            continue
+        if any(t.dtype != torch.float32 for t in without.params):
+            continue  # a half param without a master cannot have a model copy: two calls
+        with_copy.owners += without.owners
+        with_copy.params += without.params
+        with_copy.grads += without.grads
+        for name in with_copy.states:
+            with_copy.states[name] += without.states[name]
+        with_copy.model_params += without.params
+        with_copy.new_state += without.new_state
+        del batches[(device, False)]
+    return list(batches.values())
+
+
+def _lay_out_like(state: dict[str, Any], param: Tensor, keys: tuple[str, ...]) -> None:
+    # The ops walk a param and its state in memory order, so they must share strides; a
+    # checkpoint saved from a contiguous model may be loaded into a channels_last one (once, at load).
+    for key in keys:
+        value = state.get(key)
+        if isinstance(value, Tensor) and value.shape == param.shape and value.stride() != param.stride():
+            state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)

@@ -1,0 +1,87 @@
+// What every fused optimizer's CPU launcher does around its rule: skip on
+// found_inf, count the step, read inv_scale, and hand the lists to the
+// kernels (kernel_table.h: RuleOperands).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <initializer_list>
+#include <optional>
+#include <vector>
+
+#include "cpu/kernel_table.h"
+#include "cpu/list_parallel.h"
+
+namespace apex_amp::cpu {
+
+// None when found_inf is given and non-zero (NaN included): the whole op is
+// then a no-op, step count included. Otherwise increments `step` (a
+// one-element fp32 CPU tensor: plain memory, no sync) and returns the new count.
+inline std::optional<float> take_step(const at::Tensor& step, const std::optional<at::Tensor>& found_inf) {
+  if (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.f) {
+    return std::nullopt;
+  }
+  float& count = *step.data_ptr<float>();
+  count += 1.f;
+  return count;
+}
+
+inline float value_or_one(const std::optional<at::Tensor>& one_element) {
+  return one_element.has_value() ? *one_element->data_ptr<float>() : 1.f;
+}
+
+// The lists of one fused step, as the kernels see them; `states` in the
+// rule's order (Adam: exp_avgs, exp_avg_sqs), model_params empty for no copy.
+class FusedLists {
+ public:
+  FusedLists(
+      at::TensorList params,
+      at::TensorList grads,
+      std::initializer_list<at::TensorList> states,
+      at::TensorList model_params)
+      : plan_(params), params_(params), grads_(grads), model_(model_params), has_model_(!model_params.empty()) {
+    for (at::TensorList state : states) {
+      states_.emplace_back(state);
+    }
+  }
+
+  PlanView plan() const {
+    return plan_.view();
+  }
+  const ListPlan& list_plan() const {
+    return plan_;
+  }
+
+  RuleOperands operands(const float* tensor_values = nullptr) const {
+    RuleOperands operands{};
+    operands.params = params_.view();
+    operands.grads = grads_.view();
+    for (size_t k = 0; k < states_.size() && k < kMaxRuleStates; ++k) {
+      operands.states[k] = states_[k].view();
+    }
+    operands.model_params = has_model_ ? model_.view() : OperandView{nullptr, nullptr};
+    operands.tensor_values = tensor_values;
+    return operands;
+  }
+
+ private:
+  ListPlan plan_;
+  ListOperand params_;
+  ListOperand grads_;
+  std::vector<ListOperand> states_;
+  ListOperand model_;
+  bool has_model_;
+};
+
+// Per-unit partial results (fp32 sums or maxima) gathered per tensor: sums in
+// double, in unit order, so the result does not depend on the thread count.
+inline std::vector<double> per_tensor_sums(const ListPlan& plan, const std::vector<float>& unit_values,
+                                           size_t num_tensors) {
+  std::vector<double> sums(num_tensors, 0.0);
+  for (int64_t u = 0; u < plan.num_units(); ++u) {
+    sums[plan.units()[u].tensor] += unit_values[u];
+  }
+  return sums;
+}
+
+}  // namespace apex_amp::cpu

@@ -1,0 +1,49 @@
+// CUDA launcher of fused_adagrad_: apex's Adagrad (amp_math.h: the
+// AdagradHyper rule) over whole tensor lists, one pass per element.
+// found_inf set: nothing changes. Adagrad counts no steps.
+#include "amp_math.h"
+#include "cuda/fused_rule.cuh"
+#include "validate.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace apex_amp {
+namespace {
+
+void fused_adagrad_cuda(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList state_sums,
+    at::TensorList model_params,
+    double lr,
+    double eps,
+    double weight_decay,
+    bool adagrad_w_mode,
+    const std::optional<at::Tensor>& inv_scale,
+    const std::optional<at::Tensor>& found_inf) {
+  if (params.empty()) {
+    return;  // nothing to run, and no tensor to take the device from
+  }
+  const at::Device device = params[0].device();
+  validate_fused_adagrad(
+      params, grads, state_sums, model_params, lr, eps, weight_decay, inv_scale, found_inf, device);
+  const c10::cuda::CUDAGuard device_guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const AdagradHyper hyper{
+      static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(weight_decay), adagrad_w_mode};
+  const FusedStepArgs args{nullptr, optional_data(inv_scale), optional_data(found_inf)};
+  run_fused_rule(stream, params, grads, {state_sums}, model_params, hyper, args);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(apex_amp, CUDA, m) {
+  m.impl("fused_adagrad_", &fused_adagrad_cuda);
+}
+
+}  // namespace apex_amp

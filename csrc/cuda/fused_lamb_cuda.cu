@@ -1,0 +1,193 @@
+// CUDA launcher of fused_lamb_: apex's LAMB, no host sync:
+//   1. the moments (amp_math.h: lamb_moments) with the gradients unscaled and
+//      divided by the global-norm clip (lamb_grad_scale of grad_norm times
+//      inv_scale), and per chunk the sums of squares of the params and of the
+//      update directions;
+//   2. per tensor, the two norms (reductions.cuh), and from them lr times the
+//      trust ratio (lamb_trust_step);
+//   3. the update (the LambHyper rule) with that as the tensor's value.
+// Each launch does nothing when found_inf is set; the step count goes last.
+#include "amp_math.h"
+#include "cuda/fused_rule.cuh"
+#include "cuda/reductions.cuh"
+#include "validate.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace apex_amp {
+namespace {
+
+struct LambArgs {
+  FusedStepArgs step;
+  const float* grad_norm;  // of the grads as given (still scaled)
+  float max_grad_norm;
+  float* param_partials;      // this dtype group's first slot
+  float* direction_partials;  // likewise
+};
+
+// Lists: params, grads, exp_avgs, exp_avg_sqs.
+template <typename Param, typename Grad>
+struct LambMomentsFunctor {
+  LambHyper hyper;
+  LambArgs args;
+
+  __device__ void operator()(const Chunk<4>& chunk) const {
+    if (step_is_skipped(args.step.found_inf)) {
+      return;
+    }
+    const float inv_scale = args.step.inv_scale != nullptr ? *args.step.inv_scale : 1.f;
+    __shared__ LambHyper shared_hyper;
+    if (threadIdx.x == 0) {
+      LambHyper prepared = hyper;
+      prepare_step(prepared, *args.step.step + 1.f);
+      prepared.grad_scale = lamb_grad_scale(*args.grad_norm * inv_scale, args.max_grad_norm);
+      shared_hyper = prepared;
+    }
+    __syncthreads();
+    const LambHyper h = shared_hyper;
+    const Param* params = chunk_data<Param>(chunk, 0);
+    const Grad* grads = chunk_data<Grad>(chunk, 1);
+    Param* exp_avgs = chunk_data<Param>(chunk, 2);
+    Param* exp_avg_sqs = chunk_data<Param>(chunk, 3);
+    const bool vectorizable = is_vector_aligned<Param>(params) && is_vector_aligned<Grad>(grads) &&
+        is_vector_aligned<Param>(exp_avgs) && is_vector_aligned<Param>(exp_avg_sqs);
+    float param_squares = 0.f;
+    float direction_squares = 0.f;
+    for_each_element(chunk.size, vectorizable, [&](auto width, int i) {
+      constexpr int W = decltype(width)::value;
+      float p[W];
+      float g[W];
+      float m[W];
+      float v[W];
+      load_floats<W>(params + i, p);
+      load_floats<W>(grads + i, g);
+      load_floats<W>(exp_avgs + i, m);
+      load_floats<W>(exp_avg_sqs + i, v);
+#pragma unroll
+      for (int e = 0; e < W; ++e) {
+        const float d = lamb_moments<float>(p[e], m[e], v[e], g[e] * inv_scale, h);
+        param_squares += p[e] * p[e];
+        direction_squares += d * d;
+      }
+      store_floats<W>(exp_avgs + i, m);
+      store_floats<W>(exp_avg_sqs + i, v);
+    });
+    param_squares = block_sum<kBlockSize>(param_squares);
+    direction_squares = block_sum<kBlockSize>(direction_squares);
+    if (threadIdx.x == 0) {
+      args.param_partials[chunk.slot] = param_squares;
+      args.direction_partials[chunk.slot] = direction_squares;
+    }
+  }
+};
+
+__global__ void __launch_bounds__(kCleanupBlockSize) lamb_trust_kernel(
+    const float* param_norms,
+    const float* direction_norms,
+    float* trust_steps,
+    int64_t num_tensors,
+    float lr,
+    float weight_decay,
+    bool use_nvlamb,
+    const float* found_inf) {
+  if (step_is_skipped(found_inf)) {
+    return;
+  }
+  for (int64_t t = threadIdx.x; t < num_tensors; t += blockDim.x) {
+    trust_steps[t] = lamb_trust_step(param_norms[t], direction_norms[t], lr, weight_decay, use_nvlamb);
+  }
+}
+
+void fused_lamb_cuda(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList model_params,
+    const at::Tensor& step,
+    const at::Tensor& grad_norm,
+    double lr,
+    double beta1,
+    double beta2,
+    double eps,
+    double weight_decay,
+    bool bias_correction,
+    bool grad_averaging,
+    bool adam_w_mode,
+    double max_grad_norm,
+    bool use_nvlamb,
+    const std::optional<at::Tensor>& inv_scale,
+    const std::optional<at::Tensor>& found_inf) {
+  const at::Device device = step.device();
+  validate_fused_lamb(
+      params, grads, exp_avgs, exp_avg_sqs, model_params, step, grad_norm, lr, beta1, beta2, eps,
+      weight_decay, max_grad_norm, inv_scale, found_inf, device);
+  const c10::cuda::CUDAGuard device_guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const FusedStepArgs step_args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf)};
+  const auto float_options = at::TensorOptions().dtype(at::kFloat).device(device);
+  const int64_t num_tensors = static_cast<int64_t>(params.size());
+
+  LambHyper hyper{};
+  hyper.beta1 = static_cast<float>(beta1);
+  hyper.beta2 = static_cast<float>(beta2);
+  hyper.beta3 = grad_averaging ? 1.f - static_cast<float>(beta1) : 1.f;
+  hyper.eps = static_cast<float>(eps);
+  hyper.weight_decay = static_cast<float>(weight_decay);
+  hyper.adam_w_mode = adam_w_mode;
+  hyper.bias_correction = bias_correction;
+  hyper.grad_scale = 1.f;  // set per block from grad_norm (LambMomentsFunctor)
+
+  if (num_tensors > 0) {
+    // 1. Moments, and per-chunk squares of the params and the directions.
+    const auto groups = group_by_dtype<4>({params, grads, exp_avgs, exp_avg_sqs});
+    const SlotPlan plan(groups, params.size());
+    at::Tensor partials = at::empty({2, plan.num_slots > 0 ? plan.num_slots : 1}, float_options);
+    float* param_partials = partials[0].data_ptr<float>();
+    float* direction_partials = partials[1].data_ptr<float>();
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const LambArgs args{
+          step_args, grad_norm.data_ptr<float>(), static_cast<float>(max_grad_norm),
+          param_partials + plan.group_first_slot[g], direction_partials + plan.group_first_slot[g]};
+      const auto param_dtype = groups[g].dtypes[0];
+      if (param_dtype == at::kFloat) {
+        dispatch_floating(groups[g].dtypes[1], [&](auto grad_tag) {
+          using Grad = typename decltype(grad_tag)::type;
+          multi_tensor_apply<4>(stream, groups[g].tensors, LambMomentsFunctor<float, Grad>{hyper, args});
+        });
+      } else {
+        dispatch_floating(param_dtype, [&](auto param_tag) {
+          using Param = typename decltype(param_tag)::type;
+          multi_tensor_apply<4>(stream, groups[g].tensors, LambMomentsFunctor<Param, Param>{hyper, args});
+        });
+      }
+    }
+    // 2. Per-tensor norms, and the trust-ratio steps.
+    at::Tensor norms = at::zeros({3, num_tensors}, float_options);
+    if (plan.num_slots > 0) {
+      per_tensor_from_slots(stream, plan, param_partials, norms[0].data_ptr<float>(), false);
+      per_tensor_from_slots(stream, plan, direction_partials, norms[1].data_ptr<float>(), false);
+    }
+    float* trust_steps = norms[2].data_ptr<float>();
+    APEX_AMP_LAUNCH(1, kCleanupBlockSize, 0, stream, lamb_trust_kernel)(
+        norms[0].data_ptr<float>(), norms[1].data_ptr<float>(), trust_steps, num_tensors,
+        static_cast<float>(lr), hyper.weight_decay, use_nvlamb, step_args.found_inf);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // 3. The update.
+    run_fused_rule(stream, params, grads, {exp_avgs, exp_avg_sqs}, model_params, hyper, step_args, trust_steps);
+  }
+  increment_step(stream, step.data_ptr<float>(), step_args.found_inf);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(apex_amp, CUDA, m) {
+  m.impl("fused_lamb_", &fused_lamb_cuda);
+}
+
+}  // namespace apex_amp

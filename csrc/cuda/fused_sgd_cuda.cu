@@ -1,0 +1,59 @@
+// CUDA launcher of fused_sgd_: SGD with momentum (amp_math.h: sgd_update) over
+// whole tensor lists, one pass per element; without momentum buffers the
+// stateless rule. found_inf set: nothing changes. SGD counts no steps.
+#include "amp_math.h"
+#include "cuda/fused_rule.cuh"
+#include "validate.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace apex_amp {
+namespace {
+
+void fused_sgd_cuda(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList momentum_buffers,
+    at::TensorList model_params,
+    double lr,
+    double momentum,
+    double dampening,
+    double weight_decay,
+    bool nesterov,
+    bool first_run,
+    bool wd_after_momentum,
+    const std::optional<at::Tensor>& inv_scale,
+    const std::optional<at::Tensor>& found_inf) {
+  if (params.empty()) {
+    return;  // nothing to run, and no tensor to take the device from
+  }
+  const at::Device device = params[0].device();
+  validate_fused_sgd(
+      params, grads, momentum_buffers, model_params, lr, momentum, dampening, weight_decay, nesterov,
+      inv_scale, found_inf, device);
+  const c10::cuda::CUDAGuard device_guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const FusedStepArgs args{nullptr, optional_data(inv_scale), optional_data(found_inf)};
+  if (momentum_buffers.empty()) {
+    const PlainSgdHyper hyper{static_cast<float>(lr), static_cast<float>(weight_decay)};
+    run_fused_rule(stream, params, grads, {}, model_params, hyper, args);
+    return;
+  }
+  const SgdHyper hyper{
+      static_cast<float>(lr), static_cast<float>(momentum), static_cast<float>(dampening),
+      static_cast<float>(weight_decay), nesterov, first_run, wd_after_momentum};
+  run_fused_rule(stream, params, grads, {momentum_buffers}, model_params, hyper, args);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(apex_amp, CUDA, m) {
+  m.impl("fused_sgd_", &fused_sgd_cuda);
+}
+
+}  // namespace apex_amp
