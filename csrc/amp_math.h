@@ -345,16 +345,20 @@ C10_HOST_DEVICE inline T lamb_direction(T param, T exp_avg, T exp_avg_sq, const 
   return direction;
 }
 
-// LAMB's first pass over one element: the moments; returns the direction.
+// LAMB's first pass over one element: the moments. The pass then takes the
+// direction (for the norms) from the moments as stored, rounded to their
+// dtype, so that the second pass, which recomputes it from the stored moments,
+// applies exactly the direction whose norm it was given. (With fp16/bf16
+// state this differs from apex, whose first pass kept the unrounded moments
+// for the current step; fp32 state, as under O2 masters, is not rounded.)
 template <typename T>
-C10_HOST_DEVICE inline T lamb_moments(T param, T& exp_avg, T& exp_avg_sq, T grad, const LambHyper& h) {
+C10_HOST_DEVICE inline void lamb_moments(T param, T& exp_avg, T& exp_avg_sq, T grad, const LambHyper& h) {
   grad = grad / T(h.grad_scale);
   if (!h.adam_w_mode) {
     grad = grad + T(h.weight_decay) * param;
   }
   exp_avg = exp_avg * T(h.beta1) + T(h.beta3) * grad;
   exp_avg_sq = exp_avg_sq * T(h.beta2) + T(1.f - h.beta2) * grad * grad;
-  return lamb_direction(param, exp_avg, exp_avg_sq, h);
 }
 
 // LAMB's second pass: tensor_value is lr times the tensor's trust ratio.

@@ -53,6 +53,29 @@ def _adam_channels_last_sample():
     return args, {"inv_scale": ref.flag(0.5), "found_inf": ref.flag(0.0)}
 
 
+def _optimizer_samples():
+    """Each fused optimizer op: fp32 masters with mixed grads and a bf16 model copy, and a skipped step."""
+    for found_inf, name in ((0.0, "master-weights"), (1.0, "skipped")):
+        params = ref.random_tensors((5, 3), [torch.float32], seed=74)
+        grads = _mixed(75, (5, 3))
+        model = [p.to(torch.bfloat16) for p in params]
+        flags = {"inv_scale": ref.flag(0.5), "found_inf": ref.flag(found_inf)}
+
+        def zeros():
+            return [torch.zeros_like(p) for p in params]
+
+        yield "fused_sgd_", name, [params, grads, zeros(), model, 0.1, 0.9, 0.0, 0.01, False, False, False], flags
+        yield "fused_adagrad_", name, [params, grads, zeros(), model, 0.1, 1e-10, 0.01, False], flags
+        moments = [torch.full((1,), -1.0) for _ in params]
+        yield "fused_novograd_", name, [params, grads, zeros(), moments, model, torch.zeros(1), 1e-2, 0.95, 0.98,
+                                        1e-8, 0.01, True, True, False, 2], flags
+        yield "fused_lamb_", name, [params, grads, zeros(), zeros(), model, torch.zeros(1), ref.flag(3.0), 1e-2, 0.9,
+                                    0.999, 1e-6, 0.01, True, True, True, 1.0, False], flags
+    params = ref.random_tensors((4, 6), [torch.bfloat16], seed=76)
+    grads = ref.random_tensors((4, 6), [torch.bfloat16], seed=77)
+    yield "fused_sgd_", "half-plain", [params, grads, [], [], 0.1, 0.0, 0.0, 0.0, False, False, False], {}
+
+
 def _samples():
     """(op name, id, args, kwargs): small representative inputs for every op."""
     scale_state = (torch.full((1,), 1024.0), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
@@ -82,6 +105,7 @@ def _samples():
         rule = ref.ScaleRule(growth_interval=1, consecutive_hysteresis=consecutive)
         args = [t.clone() for t in scale_state] + [ref.flag(found_inf), *rule.op_args()]
         yield "update_scale_", f"found_inf={found_inf:g}-consecutive={consecutive}", args, {}
+    yield from _optimizer_samples()
 
 
 SAMPLES = list(_samples())

@@ -74,6 +74,43 @@ def _update_scale(amp_ops, scale=None, growth_tracker=None, hysteresis_tracker=N
     )
 
 
+def _sgd(amp_ops, params=None, momentum_buffers=None, momentum=0.9, model_params=(), **hyper):
+    params = [_t(4), _t(3)] if params is None else params
+    buffers = [torch.zeros_like(p) for p in params] if momentum_buffers is None else momentum_buffers
+    h = {"lr": 0.1, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False}
+    h.update(hyper)
+    amp_ops.fused_sgd_(params, [torch.ones_like(p) for p in params], buffers, list(model_params), h["lr"], momentum,
+                       h["dampening"], h["weight_decay"], h["nesterov"], False, False)
+
+
+def _adagrad(amp_ops, state_sums=None, **hyper):
+    params = [_t(4), _t(3)]
+    sums = [torch.zeros_like(p) for p in params] if state_sums is None else state_sums
+    h = {"lr": 0.1, "eps": 1e-10, "weight_decay": 0.0}
+    h.update(hyper)
+    amp_ops.fused_adagrad_(params, [torch.ones_like(p) for p in params], sums, [], *h.values(), False)
+
+
+def _novograd(amp_ops, exp_avg_sqs=None, norm_type=2, **hyper):
+    params = [_t(4), _t(3)]
+    moments = [torch.full((1,), -1.0) for _ in params] if exp_avg_sqs is None else exp_avg_sqs
+    h = {"lr": 0.1, "beta1": 0.9, "beta2": 0.98, "eps": 1e-8, "weight_decay": 0.0}
+    h.update(hyper)
+    amp_ops.fused_novograd_(params, [torch.ones_like(p) for p in params], [torch.zeros_like(p) for p in params],
+                            moments, [], torch.zeros(1), *h.values(), True, True, False, norm_type)
+
+
+def _lamb(amp_ops, exp_avg_sqs=None, grad_norm=None, **hyper):
+    params = [_t(4), _t(3)]
+    sqs = [torch.zeros_like(p) for p in params] if exp_avg_sqs is None else exp_avg_sqs
+    h = {"lr": 0.1, "beta1": 0.9, "beta2": 0.999, "eps": 1e-6, "weight_decay": 0.01}
+    h.update({k: hyper.pop(k) for k in list(hyper) if k in h})
+    max_grad_norm = hyper.pop("max_grad_norm", 1.0)
+    amp_ops.fused_lamb_(params, [torch.ones_like(p) for p in params], [torch.zeros_like(p) for p in params], sqs,
+                        [], torch.zeros(1), torch.ones(1) if grad_norm is None else grad_norm, *h.values(),
+                        True, True, True, max_grad_norm, False)
+
+
 def _strided(*shape):
     """A view with gaps between its elements: not dense."""
     return _t(*shape[:-1], 2 * shape[-1])[..., ::2]
@@ -195,6 +232,24 @@ CASES = [
     ("update_scale-min_scale-negative", lambda o: _update_scale(o, min_scale=-1.0), "update_scale_", "min_scale"),
     ("update_scale-min-above-max", lambda o: _update_scale(o, min_scale=4.0, max_scale=2.0),
      "update_scale_", "min_scale"),
+    # the fused optimizers' ops (validate_fused_step and each op's own numbers)
+    ("sgd-buffer-dtype", lambda o: _sgd(o, momentum_buffers=[_t(4), _t(3, dtype=F16)]), "fused_sgd_",
+     "momentum_buffers[1]"),
+    ("sgd-buffers-without-momentum", lambda o: _sgd(o, momentum=0.0), "fused_sgd_", "momentum_buffers"),
+    ("sgd-nesterov-dampening", lambda o: _sgd(o, nesterov=True, dampening=0.1), "fused_sgd_", "nesterov"),
+    ("sgd-lr", lambda o: _sgd(o, lr=-1.0), "fused_sgd_", "lr"),
+    ("sgd-model-copy-of-half-params", lambda o: _sgd(o, params=[_t(4, dtype=BF16)], momentum_buffers=[_t(4, dtype=BF16)],
+                                                      model_params=[_t(4, dtype=F16)]), "fused_sgd_", "model_params[0]"),
+    ("adagrad-sum-length", lambda o: _adagrad(o, state_sums=[_t(4)]), "fused_adagrad_", "state_sums"),
+    ("adagrad-sum-layout", lambda o: _adagrad(o, state_sums=[_t(4), _strided(3)]), "fused_adagrad_", "state_sums[1]"),
+    ("adagrad-eps", lambda o: _adagrad(o, eps=float("nan")), "fused_adagrad_", "eps"),
+    ("novograd-moment-numel", lambda o: _novograd(o, exp_avg_sqs=[torch.zeros(1), torch.zeros(3)]),
+     "fused_novograd_", "exp_avg_sqs[1]"),
+    ("novograd-norm_type", lambda o: _novograd(o, norm_type=1), "fused_novograd_", "norm_type"),
+    ("novograd-beta2", lambda o: _novograd(o, beta2=1.0), "fused_novograd_", "beta2"),
+    ("lamb-sq-dtype", lambda o: _lamb(o, exp_avg_sqs=[_t(4), _t(3, dtype=BF16)]), "fused_lamb_", "exp_avg_sqs[1]"),
+    ("lamb-grad_norm-numel", lambda o: _lamb(o, grad_norm=torch.ones(2)), "fused_lamb_", "grad_norm"),
+    ("lamb-max_grad_norm", lambda o: _lamb(o, max_grad_norm=0.0), "fused_lamb_", "max_grad_norm"),
 ]
 
 

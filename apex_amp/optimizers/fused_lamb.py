@@ -94,8 +94,10 @@ def fused_lamb_(
             grad = grads[i].float() * unscale / clip
             if not adam_w_mode:
                 grad = grad + weight_decay * p
-            m = exp_avgs[i].float() * beta1 + beta3 * grad
-            v = exp_avg_sqs[i].float() * beta2 + f32(1.0 - beta2) * grad * grad
+            # The direction from the moments as stored (rounded to the state's dtype): the kernels'
+            # second pass recomputes it from them (amp_math.h: lamb_moments).
+            m = (exp_avgs[i].float() * beta1 + beta3 * grad).to(exp_avgs[i].dtype).float()
+            v = (exp_avg_sqs[i].float() * beta2 + f32(1.0 - beta2) * grad * grad).to(exp_avg_sqs[i].dtype).float()
             direction = (m / bc1) / (torch.sqrt(v / bc2) + eps)
             if adam_w_mode:
                 direction = direction + weight_decay * p

@@ -7,7 +7,6 @@ csrc/cpu/fused_novograd_cpu.cpp and csrc/cuda/fused_novograd_cuda.cu.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable, Optional
 
 import torch
@@ -85,8 +84,10 @@ def fused_novograd_(
         count = step_after.reshape(()).double()
         bc1 = (1.0 - torch.pow(beta1, count)).float() if bias_correction else torch.ones((), device=step.device)
         bc2_sqrt = (1.0 - torch.pow(beta2, count)).sqrt().float() if bias_correction else torch.ones((), device=step.device)
-        order = 2 if norm_type == 2 else math.inf
-        norms = torch._foreach_norm(grads, order, dtype=torch.float32)
+        if norm_type == 2:
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        else:  # the largest |g| (NaN if any is), 0 for an empty tensor
+            norms = [g.float().abs().amax() if g.numel() else g.new_zeros((), dtype=torch.float32) for g in grads]
         new_params, new_avgs, new_moments = [], [], []
         for i, param in enumerate(params):
             norm = norms[i] * inv_scale.reshape(()) if inv_scale is not None else norms[i]

@@ -70,7 +70,10 @@ struct LambMomentsFunctor {
       load_floats<W>(exp_avg_sqs + i, v);
 #pragma unroll
       for (int e = 0; e < W; ++e) {
-        const float d = lamb_moments<float>(p[e], m[e], v[e], g[e] * inv_scale, h);
+        lamb_moments<float>(p[e], m[e], v[e], g[e] * inv_scale, h);
+        m[e] = round_to<Param>(m[e]);  // the moments as stored (amp_math.h: lamb_moments)
+        v[e] = round_to<Param>(v[e]);
+        const float d = lamb_direction<float>(p[e], m[e], v[e], h);
         param_squares += p[e] * p[e];
         direction_squares += d * d;
       }

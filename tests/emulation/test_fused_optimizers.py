@@ -1,0 +1,184 @@
+"""fused_sgd_, fused_adagrad_, fused_novograd_ and fused_lamb_: the emulated CUDA launchers against the CPU kernels.
+
+SGD, Adagrad and NovoGrad with the L-infinity norm run the same amp_math.h arithmetic on both
+sides and agree bit for bit. NovoGrad's L2 norm and LAMB's norms are sums whose pieces and
+order differ (a 4096-element chunk's shuffle tree against a 16K-element CPU unit, as for
+l2norm: test_l2norm.py derives the bound), so their per-tensor values agree within a few
+units of the last place and what follows from them (moments, params) to a matching tolerance.
+found_inf skips every launch, step count included.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from _twins import CPU, DTYPES, EMULATED, assert_lists_equal, entries_for, flag, twin_lists
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+# (param, grad) without a model copy, and (grad, model copy) with fp32 params.
+PARAM_GRAD = [(F32, F32), (F32, F16), (F32, BF16), (F16, F16), (BF16, BF16)]
+MASTER_COPIES = list(itertools.product(DTYPES, DTYPES))
+
+
+class Op:
+    """One op's arguments twice (emulated, cpu), with `states` per-element state lists."""
+
+    name = ""
+    states = 1
+    counts_steps = False
+
+    def __init__(self, limits, with_model_copy, seed, many=False, grad_scale=1.0):
+        depth = 2 + self.states + (1 if with_model_copy else 0)
+        if with_model_copy:
+            combos = [(F32, grad) + (F32,) * self.states + (model,) for grad, model in MASTER_COPIES]
+        else:
+            combos = [(param, grad) + (param,) * self.states for param, grad in PARAM_GRAD]
+        assert all(len(c) == depth for c in combos)
+        self.entries = entries_for(limits, combos, many=many)
+        self.emulated, self.cpu = {}, {}
+        for index in range(depth):
+            scale = grad_scale if index == 1 else 1.0
+            emu, cpu = twin_lists(self.entries, index, seed + index, scale=scale, positive=index >= 2)
+            self.emulated[index], self.cpu[index] = emu, cpu
+        for side in (self.emulated, self.cpu):
+            side["step"] = flag(3.0)
+            side["model"] = side.pop(depth - 1) if with_model_copy else []
+
+    def lists(self, side):
+        return side[0], side[1], [side[2 + k] for k in range(self.states)], side["model"]
+
+    def call(self, ops, side, inv_scale, found_inf):
+        raise NotImplementedError
+
+    def step(self, inv_scale=None, found_inf=None):
+        for ops, side in ((EMULATED, self.emulated), (CPU, self.cpu)):
+            self.call(ops, side, None if inv_scale is None else flag(inv_scale),
+                      None if found_inf is None else flag(found_inf))
+
+    def compared(self, side):
+        return {"params": side[0], **{f"state{k}": side[2 + k] for k in range(self.states)},
+                "model": side["model"], "step": [side["step"]]}
+
+    def assert_equal(self):
+        emulated, cpu = self.compared(self.emulated), self.compared(self.cpu)
+        for name in emulated:
+            assert_lists_equal(emulated[name], cpu[name], name, self.entries if name != "step" else None)
+
+    def assert_close(self, rtol, atol):
+        emulated, cpu = self.compared(self.emulated), self.compared(self.cpu)
+        for name in emulated:
+            for i, (a, b) in enumerate(zip(emulated[name], cpu[name])):
+                torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, equal_nan=True,
+                                           msg=lambda m, n=name, k=i: f"{n}[{k}]: {m}")
+
+
+class Sgd(Op):
+    name = "sgd"
+
+    def __init__(self, *args, first_run=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.first_run = first_run
+
+    def call(self, ops, side, inv_scale, found_inf):
+        params, grads, states, model = self.lists(side)
+        ops.fused_sgd_(params, grads, states[0], model, 0.05, 0.9, 0.1, 0.01, False, self.first_run, True,
+                       inv_scale, found_inf)
+
+
+class Adagrad(Op):
+    name = "adagrad"
+
+    def call(self, ops, side, inv_scale, found_inf):
+        params, grads, states, model = self.lists(side)
+        ops.fused_adagrad_(params, grads, states[0], model, 0.05, 1e-10, 0.01, True, inv_scale, found_inf)
+
+
+class NovoGrad(Op):
+    name = "novograd"
+    counts_steps = True
+
+    def __init__(self, *args, norm_type=2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.norm_type = norm_type
+        for side in (self.emulated, self.cpu):
+            side["moments"] = [torch.full((1,), -1.0 if i % 2 else 0.25) for i in range(len(self.entries))]
+
+    def call(self, ops, side, inv_scale, found_inf):
+        params, grads, states, model = self.lists(side)
+        ops.fused_novograd_(params, grads, states[0], side["moments"], model, side["step"], 0.01, 0.95, 0.98,
+                            1e-8, 0.01, True, True, False, self.norm_type, inv_scale, found_inf)
+
+    def compared(self, side):
+        return {**super().compared(side), "moments": side["moments"]}
+
+
+class Lamb(Op):
+    name = "lamb"
+    states = 2
+    counts_steps = True
+
+    def call(self, ops, side, inv_scale, found_inf):
+        params, grads, states, model = self.lists(side)
+        grad_norm = flag(50.0)  # the clip divides by grad_norm * inv_scale / max_grad_norm when above it
+        ops.fused_lamb_(params, grads, states[0], states[1], model, side["step"], grad_norm, 0.01, 0.9, 0.999,
+                        1e-6, 0.01, True, True, True, 1.0, False, inv_scale, found_inf)
+
+
+@pytest.mark.parametrize("with_model_copy", [False, True], ids=["no-copy", "model-copy"])
+@pytest.mark.parametrize("op", [Sgd, Adagrad], ids=["sgd", "adagrad"])
+def test_elementwise_rules_match_bit_for_bit(limits, op, with_model_copy):
+    state = op(limits, with_model_copy, seed=11, grad_scale=2.0**6)
+    state.step(inv_scale=2.0**-6)
+    state.step(inv_scale=2.0**-6, found_inf=0.0)
+    state.assert_equal()
+
+
+def test_sgd_first_run_copies_the_gradient_alike(limits):
+    state = Sgd(limits, True, seed=12, first_run=True)
+    state.step()
+    state.assert_equal()
+
+
+def test_novograd_with_the_infinity_norm_matches_bit_for_bit(limits):
+    state = NovoGrad(limits, True, seed=13, norm_type=0, grad_scale=4.0)
+    state.step(inv_scale=0.25)
+    state.step(inv_scale=0.25)
+    state.assert_equal()
+
+
+@pytest.mark.parametrize("with_model_copy", [False, True], ids=["no-copy", "model-copy"])
+@pytest.mark.parametrize("op", [NovoGrad, Lamb], ids=["novograd-l2", "lamb"])
+def test_norm_based_rules_match_within_the_sums_rounding(limits, op, with_model_copy):
+    # The per-tensor sums differ in the last bits; fp16/bf16 storage of what follows may then
+    # round one ulp apart (a param near 0 after p - step * direction: a few 1e-5 absolute).
+    state = op(limits, with_model_copy, seed=14)
+    state.step()
+    state.step()
+    half = any(t.dtype != F32 for t in state.compared(state.cpu)["params"]) or with_model_copy
+    state.assert_close(rtol=8e-3 if half else 2e-5, atol=1e-4 if half else 1e-6)
+
+
+@pytest.mark.parametrize("op", [Sgd, Adagrad, NovoGrad, Lamb], ids=["sgd", "adagrad", "novograd", "lamb"])
+@pytest.mark.parametrize("found_inf", [1.0, float("nan")], ids=["one", "nan"])
+def test_found_inf_skips_every_launch(limits, op, found_inf):
+    state = op(limits, True, seed=15)
+    before = {name: [t.clone() for t in tensors] for name, tensors in state.compared(state.emulated).items()}
+    state.step(inv_scale=0.5, found_inf=found_inf)
+    for name, tensors in state.compared(state.emulated).items():
+        assert_lists_equal(tensors, before[name], f"{name} after a skipped step")
+    state.assert_equal()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", [Sgd, Adagrad, NovoGrad, Lamb], ids=["sgd", "adagrad", "novograd", "lamb"])
+def test_lists_longer_than_one_launch(limits, op):
+    state = op(limits, False, seed=16, many=True)
+    state.step()
+    if op in (Sgd, Adagrad):
+        state.assert_equal()
+    else:
+        state.assert_close(rtol=8e-3, atol=1e-4)
