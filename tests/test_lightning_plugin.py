@@ -291,6 +291,27 @@ def test_o2_under_ddp_is_refused_with_the_reason(process_group):
     assert model.module.net[0].weight.dtype == torch.float32
 
 
+def test_o1_under_ddp_initializes_the_wrapped_module_and_steps_like_without_ddp(process_group):
+    # One gloo rank in this process: the plugin's DDP path (initialize the module inside the wrapper,
+    # scale_loss with model=the wrapper) against the same steps on the bare module.
+    x, y = next(iter(batches()))
+    weights = []
+    for wrap in (False, True):
+        module = Classifier()
+        model = torch.nn.parallel.DistributedDataParallel(module) if wrap else module
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+        plugin = ApexAmpPrecision("O1", torch.bfloat16, verbosity=0)
+        connected, optimizers, _ = plugin.connect(model, [optimizer], [])
+        assert connected is model and optimizers == [optimizer]
+        for _ in range(3):
+            optimizer.zero_grad()
+            plugin.backward(F.cross_entropy(connected(x).float(), y), module, optimizer)
+            optimizer.step()
+        weights.append(module.state_dict())
+    for name, value in weights[0].items():
+        assert torch.equal(value, weights[1][name]), name
+
+
 def test_lbfgs_is_refused():
     module = Classifier()
     with pytest.raises(ValueError, match="LBFGS"):
