@@ -407,7 +407,7 @@ def relative_update_difference(weights: dict, reference: dict, initial: dict) ->
 # each gradient's own size, so where a gradient is near 0 a rounding can flip the sign of a whole
 # lr step: hence its wider bound. A wrong unscale, a missing average or a step skipped by one run
 # only moves the weights by a large part of the update (SGD sees all of them; Adam is blind to a
-# gradient's scale). The differences measured here are in the README's FSDP2 section.
+# gradient's scale). The differences measured here are in docs/distributed.md (FSDP2).
 REFERENCE_RTOL = {"SGD": 0.05, "FusedAdam": 0.15, "AdamW": 0.15}
 
 

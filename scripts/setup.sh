@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Sets up everything apex_amp needs, in ./.venv of this repository:
-# Python venv, torch 2.14.1, ninja, the test and example dependencies, and
-# apex_amp itself installed in editable mode with its compiled extension.
+# Python venv, torch 2.14.1, ninja, the test and example dependencies (the
+# test extra takes the docs and lightning extras: the suite builds the
+# documentation site and trains with Lightning's Trainer), and apex_amp itself
+# installed in editable mode with its compiled extension.
 #
 #   bash scripts/setup.sh          # then: .venv/bin/python -m pytest -q
+#                                  # or:   .venv/bin/python -m sphinx -W --keep-going -b html docs docs/_build/html
 #
 # Safe to run again: what is installed already is kept, and ninja recompiles
 # only the kernel files that changed. Environment (all optional):
@@ -34,7 +37,7 @@ PY="$VENV/bin/python"
 step "installing torch $TORCH_VERSION and the build tools"
 pip_install --quiet "pip>=23.1" "setuptools>=77" wheel ninja "torch==$TORCH_VERSION"
 
-# The test and example dependencies are pyproject.toml's extras.
+# The test and example dependencies are pyproject.toml's extras (test includes docs and lightning).
 # --no-build-isolation: build against the torch installed above. The build
 # folder (./build) is kept between runs, so this is incremental. Editable, so
 # that `import apex_amp` from this folder (tests, examples) finds the compiled

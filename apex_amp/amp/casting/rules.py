@@ -3,7 +3,7 @@
 This is the one table of the O1 casting rules. :mod:`.dispatch` builds its
 dispatcher kernels from it, :mod:`.registry` its Python-level wrappers, the
 tests are parametrised over it, and :func:`render_markdown_table` turns it into
-the README table, so the documentation, the behaviour and the tests cannot drift
+the table of the documentation's O1 rules page, so the documentation, the behaviour and the tests cannot drift
 apart.
 
 Every row names the aten operators (``"op"`` or ``"op.overload"``) that carry the
@@ -23,7 +23,7 @@ table runs in the precision of its inputs (torch's autocast may still run it in
 fp32 on a device that has no half kernel for it, e.g. FFTs and linear-algebra
 decompositions on CPU).
 
-Run ``python -m apex_amp.amp.casting.readme_table OUT.md`` to write the markdown table.
+Run ``python -m apex_amp.amp.casting.docs_table OUT.md`` to write the markdown table.
 """
 from __future__ import annotations
 
@@ -229,7 +229,7 @@ def _where(row: OpRule) -> str:
 
 
 def render_markdown_table() -> str:
-    """The rule table as markdown, one line per row of :data:`RULES`, for the README."""
+    """The rule table as markdown, one line per row of :data:`RULES`, for the O1 rules page."""
     lines = [
         "| Operation | O1 precision | aten operators | Applied by |",
         "|---|---|---|---|",
