@@ -173,6 +173,11 @@ def fused_memory(op: str, params: Sequence[Tensor], states: dict[str, Sequence[T
     disjoint_pairs(op, "params", params, "model_params", model_params, may_be_same=True)
 
 
+def device_of(*tensors: Tensor | None) -> torch.device:
+    """The device an op runs on: that of its first tensor argument (CPU for an op without one)."""
+    return next((t.device for t in tensors if t is not None), torch.device("cpu"))
+
+
 def host_numbers(op: str, **checks: tuple[float, bool, str]) -> None:
     """number() for several host numbers: name=(value, in_range, expected)."""
     for name, (value, in_range, expected) in checks.items():

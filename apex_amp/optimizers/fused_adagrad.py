@@ -25,7 +25,7 @@ _OP = "fused_adagrad_"
 
 def _fake_fused_adagrad(params, grads, state_sums, model_params, lr, eps, weight_decay, adagrad_w_mode,
                         inv_scale=None, found_inf=None) -> None:
-    device = next((t.device for t in (*params, inv_scale, found_inf) if t is not None), torch.device("cpu"))
+    device = check.device_of(*params, inv_scale, found_inf)
     check.fused_step(_OP, device, params, grads, {"state_sums": state_sums}, model_params, inv_scale, found_inf)
     check.host_numbers(_OP, lr=(lr, lr >= 0.0, ">= 0"), eps=(eps, eps >= 0.0, ">= 0"),
                        weight_decay=(weight_decay, weight_decay >= 0.0, ">= 0"))

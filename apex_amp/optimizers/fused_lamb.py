@@ -15,7 +15,6 @@ from torch import Tensor
 
 from .. import _checks as check
 from .. import ops
-from .._dtensor import is_dtensor
 from .._fallback import commit, f32, shaped_like, step_taken
 from .._op_registry import define
 from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer
@@ -147,6 +146,7 @@ class FusedLAMB(FusedOptimizer):
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq")
     COUNTS_STEPS = True
+    UPDATES_SHARDS = False
 
     def __init__(
         self,
@@ -186,10 +186,6 @@ class FusedLAMB(FusedOptimizer):
         # apex clips by the norm of every gradient of the step, all groups together.
         per_device: dict[torch.device, list[Tensor]] = {}
         for _, batch in batches:
-            if any(is_dtensor(p) for p in batch.owners):
-                raise RuntimeError(
-                    f"{type(self).__name__} does not support parameters sharded by FSDP2: its trust ratios and "
-                    "global norm need whole tensors; use FusedAdam, or LAMB without fully_shard")
             per_device.setdefault(batch.device, []).extend(batch.grads)
         norms = {device: ops.l2norm(grads)[0] for device, grads in per_device.items()}
         if len(norms) > 1:  # several devices: one global norm, on each of them
@@ -226,8 +222,8 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         params: parameters or param groups.
         lr: learning rate (a number or a one-element tensor).
         step: the initial step count.
-        bias_correction, betas, eps, weight_decay, amsgrad, adam_w_mode, grad_averaging,
-            max_grad_norm, use_nvlamb: as :class:`FusedLAMB`.
+        bias_correction: as :class:`FusedLAMB` (so are ``betas``, ``eps``, ``weight_decay``,
+            ``amsgrad``, ``adam_w_mode``, ``grad_averaging``, ``max_grad_norm`` and ``use_nvlamb``).
         reduced_precision_dtype: the dtype of the parameters that get fp32 masters (None: none).
 
     Example::

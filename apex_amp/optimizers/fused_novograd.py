@@ -149,6 +149,7 @@ class FusedNovoGrad(FusedOptimizer):
 
     STATE_KEYS = ("exp_avg",)
     COUNTS_STEPS = True
+    UPDATES_SHARDS = False
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional
 import torch
 from torch import Tensor
 
-from .._dtensor import local_tensor
+from .._dtensor import is_dtensor, local_tensor
 from .._dtypes import HALF_DTYPES
 
 __all__ = ["AmpStepArgs", "FusedBatch", "FusedOptimizer"]
@@ -95,6 +95,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     STATE_KEYS: ClassVar[tuple[str, ...]] = ()  # per-element state, shaped and laid out like the param
     COUNTS_STEPS: ClassVar[bool] = False  # a shared "step" tensor per group and device
+    # Elementwise rules update FSDP2's shards as they are; rules with per-tensor norms need whole tensors.
+    UPDATES_SHARDS: ClassVar[bool] = True
     initial_step: float = 0.0  # the step count a group starts from
     # torch.amp.GradScaler's protocol: it sets self.grad_scale / self.found_inf and calls step().
     _step_supports_amp_scaling: ClassVar[bool] = True
@@ -208,6 +210,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                 grad = model_param.grad
             if grad is None:
                 continue
+            if not self.UPDATES_SHARDS and is_dtensor(p):
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support parameters sharded by FSDP2 (fully_shard): its "
+                    "per-tensor norms need whole tensors; use FusedAdam, FusedSGD or FusedAdagrad there")
             if grad.is_sparse:
                 raise RuntimeError(
                     f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam "

@@ -22,16 +22,9 @@ __all__ = ["FusedSGD"]
 _OP = "fused_sgd_"
 
 
-def _device_of(params: list[Tensor], inv_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> torch.device:
-    for t in (*params, inv_scale, found_inf):
-        if t is not None:
-            return t.device
-    return torch.device("cpu")
-
-
 def _fake_fused_sgd(params, grads, momentum_buffers, model_params, lr, momentum, dampening, weight_decay,
                     nesterov, first_run, wd_after_momentum, inv_scale=None, found_inf=None) -> None:
-    device = _device_of(params, inv_scale, found_inf)
+    device = check.device_of(*params, inv_scale, found_inf)
     states = {"momentum_buffers": momentum_buffers} if momentum_buffers else {}
     check.fused_step(_OP, device, params, grads, states, model_params, inv_scale, found_inf)
     check.host_numbers(
