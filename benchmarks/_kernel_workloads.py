@@ -253,3 +253,108 @@ def load_deepspeed_cpu_adam():
             return None, "deepspeed not installed (optional; see benchmarks/README.md)"
         return None, f"{type(error).__name__}: {message[0][:160]}"
     return DeepSpeedCPUAdam, ""
+
+
+# ----------------------------------------------------------------------------- the rest of the family
+
+FAMILY = ("sgd", "adagrad", "novograd", "lamb")
+# Bytes per element: SGD/Adagrad read param, grad, state and write param, state; NovoGrad reads the
+# grads once more for their norms; LAMB's two passes read param, grad and both moments then write
+# the moments, and read param and moments then write the param (its global norm reads the grads once more).
+FAMILY_BYTES = {"sgd": 20, "adagrad": 20, "novograd": 24, "lamb": 44}
+
+
+def _foreach_novograd(params, grads, exp_avgs, norms, step, lr=LR, beta1=0.95, beta2=0.98, eps=EPS,
+                      weight_decay=WEIGHT_DECAY):
+    """NovoGrad in torch's foreach ops (no torch optimizer has it): the peer of fused_novograd_."""
+    step += 1
+    new_norms = torch.stack(torch._foreach_norm(grads))
+    norms.copy_(torch.sqrt(beta2 * norms * norms + (1 - beta2) * new_norms * new_norms))
+    bc1, bc2 = 1 - beta1**step, math.sqrt(1 - beta2**step)
+    denoms = (norms / bc2 + eps).unbind()
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+    updates = torch._foreach_div(exp_avgs, bc1)
+    torch._foreach_div_(updates, denoms)
+    torch._foreach_add_(updates, params, alpha=weight_decay)
+    torch._foreach_add_(params, updates, alpha=-lr)
+    return step
+
+
+def _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, step, lr=LR, max_grad_norm=1.0):
+    """LAMB in torch's foreach ops (no torch optimizer has it): the peer of fused_lamb_."""
+    step += 1
+    global_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    clip = torch.clamp(global_norm / max_grad_norm, min=1.0)
+    scaled = torch._foreach_div(grads, clip)
+    torch._foreach_lerp_(exp_avgs, scaled, 1 - BETAS[0])
+    torch._foreach_mul_(exp_avg_sqs, BETAS[1])
+    torch._foreach_addcmul_(exp_avg_sqs, scaled, scaled, value=1 - BETAS[1])
+    bc1, bc2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** step
+    denoms = torch._foreach_sqrt(torch._foreach_div(exp_avg_sqs, bc2))
+    torch._foreach_add_(denoms, EPS)
+    updates = torch._foreach_div(torch._foreach_div(exp_avgs, bc1), denoms)
+    torch._foreach_add_(updates, params, alpha=WEIGHT_DECAY)
+    ratios = [lr * pn / un for pn, un in zip(torch._foreach_norm(params), torch._foreach_norm(updates))]
+    torch._foreach_mul_(updates, ratios)
+    torch._foreach_sub_(params, updates)
+    return step
+
+
+def family_cases(ops, shapes, copies, gen, name) -> list[Case]:
+    """One optimizer of the family: its fused op against torch's best equivalent, in fp32."""
+    def lists():
+        return (make_list(shapes, torch.float32, "param", gen), make_list(shapes, torch.float32, "grad", gen),
+                make_list(shapes, torch.float32, "zeros", gen))
+
+    apex = f"apex_amp fused_{name}_"
+    bytes_per_element = FAMILY_BYTES[name]
+
+    def apex_call():
+        params, grads, state = lists()
+        if name == "sgd":
+            return lambda: ops.fused_sgd_(params, grads, state, [], LR, 0.9, 0.0, WEIGHT_DECAY, False, False, False,
+                                          None, None)
+        if name == "adagrad":
+            return lambda: ops.fused_adagrad_(params, grads, state, [], LR, 1e-10, WEIGHT_DECAY, False, None, None)
+        step = torch.zeros(1)
+        if name == "novograd":
+            norms = [torch.full((1,), -1.0) for _ in params]
+            return lambda: ops.fused_novograd_(params, grads, state, norms, [], step, LR, 0.95, 0.98, EPS,
+                                               WEIGHT_DECAY, True, True, False, 2, None, None)
+        exp_avg_sqs = make_list(shapes, torch.float32, "zeros", gen)
+        grad_norm = torch.stack(torch._foreach_norm(grads)).norm().reshape(1)
+        return lambda: ops.fused_lamb_(params, grads, state, exp_avg_sqs, [], step, grad_norm, LR, *BETAS, EPS,
+                                       WEIGHT_DECAY, True, True, True, 1.0, False, None, None)
+
+    def peer_call():
+        params, grads, state = lists()
+        if name in ("sgd", "adagrad"):
+            tensors = [torch.nn.Parameter(p) for p in params]
+            for p, g in zip(tensors, grads):
+                p.grad = g
+            optimizer = (torch.optim.SGD(tensors, lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY, fused=True)
+                         if name == "sgd" else torch.optim.Adagrad(tensors, lr=LR, weight_decay=WEIGHT_DECAY,
+                                                                   fused=True))
+            optimizer.step()
+            return optimizer.step
+        steps = [0]
+        if name == "novograd":
+            norms = torch.stack(torch._foreach_norm(grads))
+
+            def step():
+                steps[0] = _foreach_novograd(params, grads, state, norms, steps[0])
+            return step
+        exp_avg_sqs = make_list(shapes, torch.float32, "zeros", gen)
+
+        def step():
+            steps[0] = _foreach_lamb(params, grads, state, exp_avg_sqs, steps[0])
+        return step
+
+    peer = {"sgd": "torch SGD(fused=True).step()", "adagrad": "torch Adagrad(fused=True).step()",
+            "novograd": "NovoGrad in torch._foreach_* ops", "lamb": "LAMB in torch._foreach_* ops"}[name]
+    return [
+        Case(apex, rotating([apex_call() for _ in range(copies)]), bytes_per_element),
+        Case(peer, rotating([peer_call() for _ in range(copies)]), bytes_per_element, compare_with=(apex,),
+             note="no fused torch equivalent: several passes" if name in ("novograd", "lamb") else ""),
+    ]

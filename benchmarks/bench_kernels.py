@@ -40,7 +40,8 @@ except ModuleNotFoundError:  # running from a checkout without an install: use t
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import apex_amp.ops as amp_ops
 from apex_amp._extension import STATUS
-from _kernel_workloads import (DTYPES, HALF_DTYPES, Case, adam_cases, check_cases, load_deepspeed_cpu_adam, o2_cases,
+from _kernel_workloads import (DTYPES, FAMILY, HALF_DTYPES, Case, adam_cases, check_cases, family_cases,
+                               load_deepspeed_cpu_adam, o2_cases,
                                transformer_like_shapes)
 
 # ----------------------------------------------------------------------------- running and reporting
@@ -99,9 +100,11 @@ def run_section(section, ops, sizes, args, probes, deepspeed) -> tuple[list[Row]
     for label in sizes:
         shapes, _ = transformer_like_shapes(parse_size(label))
         elements = sum(math.prod(s) for s in shapes)
-        variants = {"adam": ["fp32"], "o2": list(HALF_DTYPES), "check": list(DTYPES)}[section]
+        variants = {"adam": ["fp32"], "o2": list(HALF_DTYPES), "check": list(DTYPES),
+                    "optimizers": list(FAMILY)}[section]
         for dtype in variants:
-            bytes_per_set = {"adam": 16, "o2": 16, "check": DTYPES[dtype].itemsize}[section] * elements
+            bytes_per_set = {"adam": 16, "o2": 16, "check": DTYPES.get(dtype, torch.float32).itemsize,
+                             "optimizers": 16}[section] * elements
             copies = 1 if args.hot_cache else cache_rotation_count(bytes_per_set,
                                                                    at_least_bytes=args.bandwidth_mb * 2**20)
             set_up_at = time.perf_counter()
@@ -109,6 +112,8 @@ def run_section(section, ops, sizes, args, probes, deepspeed) -> tuple[list[Row]
                 cases = adam_cases(ops, shapes, copies, gen, deepspeed)
             elif section == "o2":
                 cases = o2_cases(ops, shapes, copies, gen, HALF_DTYPES[dtype])
+            elif section == "optimizers":
+                cases = family_cases(ops, shapes, copies, gen, dtype)
             else:
                 cases = check_cases(ops, shapes, copies, gen, DTYPES[dtype])
             reps = args.reps or default_reps(elements)
@@ -202,6 +207,7 @@ SECTION_TITLES = {
     "adam": "(a) fp32 AdamW step (28 B/el: param r/w 8, grad r 4, exp_avg r/w 8, exp_avg_sq r/w 8)",
     "o2": "(b) O2 optimizer step, fp32 masters + half model copy (apex 30 B/el; torch's composition 44 B/el)",
     "check": "(c) finite check / unscale of grads (check: read 4|2 B/el; unscale: read+write 8|4 B/el)",
+    "optimizers": "(e) the rest of the family, fp32 (SGD with momentum 20 B/el, Adagrad 20, NovoGrad 24, LAMB 44)",
 }
 
 
@@ -212,7 +218,8 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=2, help="torch (and OpenMP) threads (default 2)")
     parser.add_argument("--backend", choices=("extension", "fallback"), default=None,
                         help="apex_amp implementation (default: the extension when it is built)")
-    parser.add_argument("--sections", default="adam,o2,check", help="any of adam,o2,check (default all)")
+    parser.add_argument("--sections", default="adam,o2,check,optimizers",
+                        help="any of adam,o2,check,optimizers (default all)")
     parser.add_argument("--reps", type=int, default=0, help="timed calls per implementation (default 30/15/10 by size)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
     parser.add_argument("--rounds", type=int, default=0,

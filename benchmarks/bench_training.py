@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
 import os
 import re
 import sys
@@ -52,7 +51,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))  # the models come from the examples themselves
 sys.path.insert(0, str(HERE.parent))  # apex_amp from the checkout when it is not installed
 
-from _timing import Timing, machine_info, parallel_region_latency  # noqa: E402
+from _timing import machine_info, parallel_region_latency  # noqa: E402
+from _workers import run_configurations  # noqa: E402
 
 CONFIGS = ("fp32", "apex O0", "torch.amp", "apex O1", "apex O2")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -186,80 +186,25 @@ def step_peak_bytes(step: Callable[[], None]) -> int:
     return peak
 
 
-def worker(conn, config: str, model_name: str, args: dict) -> None:
-    torch.set_num_threads(args["threads"])
-    try:
-        step, objects = build_step(config, model_name, args)
-        for _ in range(args["warmup"]):
-            step()
-        conn.send(("ready", None))
-        while True:
-            command, value = conn.recv()
-            if command == "time":
-                samples = []
-                for _ in range(value):
-                    start, start_cpu = time.perf_counter(), time.thread_time()
-                    step()
-                    samples.append((time.perf_counter() - start, time.thread_time() - start_cpu))
-                conn.send(("samples", samples))
-            elif command == "memory":
-                for obj in objects:  # start from no gradients: the state a step begins with
-                    if isinstance(obj, torch.optim.Optimizer):
-                        obj.zero_grad(set_to_none=True)
-                state = live_state_bytes(objects)
-                transient = step_peak_bytes(step)
-                conn.send(("memory", {"state_bytes": state, "step_peak_bytes": transient,
-                                      "peak_bytes": state + transient}))
-            else:
-                break
-    except Exception as error:  # report it to the parent instead of hanging it
-        conn.send(("error", f"{type(error).__name__}: {error}"))
-    conn.close()
+def measure(step: Callable[[], None], objects: list) -> dict[str, int]:
+    """The configuration's peak memory (run in its worker by _workers.run_configurations)."""
+    for obj in objects:  # start from no gradients: the state a step begins with
+        if isinstance(obj, torch.optim.Optimizer):
+            obj.zero_grad(set_to_none=True)
+    state = live_state_bytes(objects)
+    transient = step_peak_bytes(step)
+    return {"state_bytes": state, "step_peak_bytes": transient, "peak_bytes": state + transient}
 
 
 # ----------------------------------------------------------------------------- driving and reporting
 
 
 def run_model(model_name: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Start one worker per configuration, time them in interleaved rounds, then measure memory."""
-    context = multiprocessing.get_context("spawn")
+    """One worker per configuration, timed in interleaved rounds (_workers.py), then memory."""
     settings = {k: v for k, v in vars(args).items() if k != "json"}
     reps = args.digits_reps if model_name == "digits" else args.lm_reps
-    workers = {}
-    for config in CONFIGS:
-        parent, child = context.Pipe()
-        process = context.Process(target=worker, args=(child, config, model_name, settings), daemon=True)
-        process.start()
-        workers[config] = (process, parent)
-    results: dict[str, dict[str, Any]] = {config: {"samples": []} for config in CONFIGS}
-
-    def ask(config: str, message: tuple) -> Any:
-        kind, value = _exchange(workers[config][1], message)
-        if kind == "error":
-            raise RuntimeError(f"{model_name} / {config} failed in its worker: {value}")
-        return value
-
-    for config in CONFIGS:
-        kind, value = workers[config][1].recv()
-        if kind == "error":
-            raise RuntimeError(f"{model_name} / {config} failed to start: {value}")
-    per_round = max(1, reps // args.rounds)
-    for r in range(args.rounds):
-        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]  # rotate: no config always goes first
-        for config in order:
-            results[config]["samples"] += ask(config, ("time", per_round))
-    for config in CONFIGS:
-        results[config].update(ask(config, ("memory", None)))
-        wall, cpu = zip(*results[config].pop("samples"))
-        results[config]["timing"], results[config]["cpu_timing"] = Timing(wall), Timing(cpu)
-        workers[config][1].send(("stop", None))
-        workers[config][0].join(timeout=30)
-    return results
-
-
-def _exchange(conn, message: tuple) -> tuple[str, Any]:
-    conn.send(message)
-    return conn.recv()
+    return run_configurations("bench_training", CONFIGS, model_name, settings, reps=reps, rounds=args.rounds,
+                              measure=True)
 
 
 def precision_of(config: str, half: str) -> str:

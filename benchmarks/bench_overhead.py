@@ -1,0 +1,201 @@
+"""amp's fixed cost per step: apex_amp O0-O3 against a plain fp32 loop and torch.amp, on a tiny and a small model.
+
+On a GPU the kernels run asynchronously and a small model's step is bounded by the host: hooks,
+bookkeeping, launches. This measures that host work on the CPU, where every op of a step runs on
+the calling thread: the CPU time of the step's thread (time.thread_time), medians of interleaved
+rounds, each configuration in its own process (amp.initialize changes process-wide state;
+_workers.py). Configurations, with torch's fused Adam ("Adam") or apex_amp's FusedAdam:
+  fp32 / <opt>       a plain loop: zero_grad, forward, loss, backward, step
+  torch.amp / Adam   torch.autocast("cpu", half) around forward and loss, Adam(fused=True), with a
+                     torch.amp.GradScaler for fp16 (torch's recipe; bf16 has none)
+  apex Ox / <opt>    amp.initialize(opt_level=Ox), amp.scale_loss, the optimizer
+Models: tiny, the digits MLP of examples/train_digits.py (64-256-128-10 with BatchNorm, batch 64);
+small, a 4-layer MLP of width 512 with LayerNorm (batch 32). The half dtype is --half-dtype.
+
+Targets (issue 20): O0 <= 1.05x the plain fp32 loop with the same optimizer; O1 <= 0.9x and
+O2 + FusedAdam <= 0.75x torch.amp, on the tiny model, fp16 and bf16.
+
+Run (from the repository root, in the venv where apex_amp is installed):
+    python benchmarks/bench_overhead.py                          # bf16, both models, ~2 min idle
+    python benchmarks/bench_overhead.py --half-dtype float16 --models tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples"))
+sys.path.insert(0, str(HERE.parent))
+
+from _timing import machine_info, parallel_region_latency  # noqa: E402
+from _workers import run_configurations  # noqa: E402
+
+LEVELS = ("O0", "O1", "O2", "O3")
+CONFIGS = ("fp32 / Adam", "fp32 / FusedAdam", "torch.amp / Adam",
+           *(f"apex {level} / {opt}" for level in LEVELS for opt in ("Adam", "FusedAdam")))
+HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_model(model_name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    if model_name == "tiny":
+        import train_digits
+
+        (x_train, y_train), _ = train_digits.load_data(0, torch.device("cpu"))
+        return train_digits.make_model(train_digits.HIDDEN_DEFAULT), (x_train[:64], y_train[:64])
+    width = 512
+    layers: list[nn.Module] = [nn.Linear(64, width)]
+    for _ in range(3):
+        layers += [nn.LayerNorm(width), nn.GELU(), nn.Linear(width, width)]
+    layers += [nn.LayerNorm(width), nn.Linear(width, 10)]
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 10, (32,), generator=torch.Generator().manual_seed(2))
+    return nn.Sequential(*layers), (x, y)
+
+
+def build_step(config: str, model_name: str, args: dict) -> tuple[Callable[[], None], list]:
+    """The step of one configuration (run in its worker)."""
+    from apex_amp import amp
+    from apex_amp.optimizers import FusedAdam
+
+    model, (x, y) = build_model(model_name)
+    half = HALF_DTYPES[args["half_dtype"]]
+    kind, opt_name = config.split(" / ")
+
+    def optimizer_for(params):
+        return FusedAdam(params, lr=1e-3) if opt_name == "FusedAdam" else torch.optim.Adam(params, lr=1e-3, fused=True)
+
+    optimizer = optimizer_for(model.parameters())
+    if kind.startswith("apex"):
+        model, optimizer = amp.initialize(model, optimizer, opt_level=kind.split()[1], half_dtype=half, verbosity=0)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+
+        return step, [model, optimizer]
+    if kind == "fp32":
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+        return step, [model, optimizer]
+    scaler = torch.amp.GradScaler("cpu") if half == torch.float16 else None
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=half):
+            loss = F.cross_entropy(model(x), y)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+
+    return step, [model, optimizer]
+
+
+def render(model_name: str, results: dict[str, dict[str, Any]]) -> list[str]:
+    cpu = {config: r["cpu_timing"].median for config, r in results.items()}
+    rows = []
+    for config in CONFIGS:
+        opt = config.split(" / ")[1]
+        versus_fp32 = cpu[config] / cpu[f"fp32 / {opt}"]
+        versus_amp = "" if config.startswith("fp32") else f"{cpu[config] / cpu['torch.amp / Adam']:.2f}"
+        r = results[config]
+        rows.append(f"| {model_name} | {config} | {cpu[config] * 1e3:.3f} | {r['cpu_timing'].iqr * 1e3:.3f} "
+                    f"| {r['timing'].median * 1e3:.3f} | {versus_fp32:.2f} | {versus_amp} |")
+    return rows
+
+
+def targets(model_name: str, results: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool]]:
+    cpu = {config: r["cpu_timing"].median for config, r in results.items()}
+    verdicts = []
+    for opt in ("Adam", "FusedAdam"):
+        ratio = cpu[f"apex O0 / {opt}"] / cpu[f"fp32 / {opt}"]
+        verdicts.append((f"{model_name}: O0 / {opt} <= 1.05x fp32 / {opt}", f"{ratio:.2f}x", ratio <= 1.05))
+    for config, bound in (("apex O1 / Adam", 0.9), ("apex O1 / FusedAdam", 0.9), ("apex O2 / FusedAdam", 0.75)):
+        ratio = cpu[config] / cpu["torch.amp / Adam"]
+        verdicts.append((f"{model_name}: {config} <= {bound}x torch.amp", f"{ratio:.2f}x", ratio <= bound))
+    return verdicts
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,small", help="any of tiny,small (default: %(default)s)")
+    parser.add_argument("--half-dtype", default="bfloat16", choices=sorted(HALF_DTYPES), help="default: %(default)s")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaving rounds (default: %(default)s)")
+    parser.add_argument("--reps", type=int, default=400, help="timed steps per configuration (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps per worker first (default: %(default)s)")
+    parser.add_argument("--json", default=None, help="also write every median and the machine report here")
+    args = parser.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not args.models or set(args.models) - {"tiny", "small"}:
+        parser.error(f"--models takes tiny and/or small, got {args.models}")
+    if min(args.threads, args.rounds, args.reps, args.warmup + 1) < 1:
+        parser.error("--threads, --rounds and --reps must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    info = machine_info()
+    print("apex_amp fixed cost per step")
+    print(f"machine: {info['cpu_model']}, {info['logical_cpus']} logical CPUs; torch {info['torch_version']}, "
+          f"{args.threads} thread(s) per configuration, half dtype {args.half_dtype}")
+    print(f"load average at start (1/5/15 min): {info['load_average_1_5_15min']}"
+          + ("  <- machine busy: timings are noisy" if info["load_average_1_5_15min"][0] > 1.0 else ""))
+    print(f"parallel-region probe: {parallel_region_latency() * 1e6:.0f} us")
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    rows = ["| model | configuration | CPU ms | IQR ms | wall ms | / fp32 (same optimizer) | / torch.amp |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    verdicts, all_results = [], {}
+    for model_name in args.models:
+        results = run_configurations("bench_overhead", CONFIGS, model_name, settings, reps=args.reps,
+                                     rounds=args.rounds)
+        all_results[model_name] = results
+        rows += render(model_name, results)
+        if model_name == "tiny":
+            verdicts += targets(model_name, results)
+    print()
+    print("\n".join(rows))
+    print("\nCPU ms: median CPU time of a step's thread; / fp32: against the plain fp32 loop with the same "
+          "optimizer; / torch.amp: against autocast + (GradScaler) + Adam(fused=True) at the same half dtype.")
+    print("\ntargets (issue 20, tiny model):")
+    for text, measured, met in verdicts:
+        print(f"  {'MET   ' if met else 'MISSED'} {text}: {measured}")
+    load_end = [round(x, 2) for x in os.getloadavg()]
+    print(f"\nload average at end: {load_end}; run took {time.perf_counter() - started:.0f} s")
+    if args.json:
+        payload = {"machine": info, "args": vars(args), "load_average_end": load_end,
+                   "results": {m: {c: {"cpu": r["cpu_timing"].to_json(), "wall": r["timing"].to_json()}
+                                   for c, r in res.items()} for m, res in all_results.items()},
+                   "targets": [{"target": t, "measured": m, "met": ok} for t, m, ok in verdicts]}
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
