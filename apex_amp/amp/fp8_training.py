@@ -58,7 +58,11 @@ def plan_fp8(recipe: Recipe, models: Sequence[nn.Module], optimizers: Sequence[t
     for model_index, model in enumerate(models):
         prefix = f"model{model_index}." if len(models) > 1 else ""
         for name, module in model.named_modules():
-            if type(module) is not nn.Linear:  # a subclass may compute something else
+            if not isinstance(module, nn.Linear):
+                continue
+            if type(module) is not nn.Linear:
+                # A subclass may compute something else (MultiheadAttention's out_proj is never even called).
+                skipped.append((prefix + name, f"a {type(module).__name__}: only nn.Linear itself converts"))
                 continue
             reason = eligibility(name, module, recipe.fp8)
             if reason is None:

@@ -14,9 +14,11 @@ Example::
     ...                                   half_dtype=torch.bfloat16, fp8=True)
 """
 
+from .errors import GemmError, gemm_errors
 from .linear import Fp8Binding, Fp8Linear, convert_, eligibility
 from .recipe import Fp8Recipe
 from .scaling import Fp8Scales
 from .support import device_support
 
-__all__ = ["Fp8Recipe", "Fp8Linear", "Fp8Binding", "Fp8Scales", "convert_", "eligibility", "device_support"]
+__all__ = ["Fp8Recipe", "Fp8Linear", "Fp8Binding", "Fp8Scales", "convert_", "eligibility", "device_support", "gemm_errors",
+           "GemmError"]
