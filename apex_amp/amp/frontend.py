@@ -174,11 +174,11 @@ def _fp8_choice(fp8: Any, opt_level: Any) -> Any:
     if choice is None:
         return None
     try:
-        refusal = recipe_for(opt_level).fp8_refusal
+        level = recipe_for(opt_level)
     except ValueError:
         return None  # the unknown level is reported by resolve with its own message
-    if refusal is not None:
-        logger.warning("%s=%s is ignored at %s: %s", FP8_VARIABLE, name, opt_level, refusal)
+    if level.fp8_refusal is not None:
+        logger.warning("%s=%s is ignored at %s: %s", FP8_VARIABLE, name, level.opt_level, level.fp8_refusal)
         return None
     return True if choice is True else Fp8Recipe.from_name(choice)
 
@@ -257,7 +257,8 @@ def initialize(
         optimizers: a ``torch.optim.Optimizer`` (or a wrapper holding one in ``.optim``, such as
             :class:`apex_amp.optimizers.LARC`), a list of them, or None.
         enabled: False returns everything untouched and makes ``scale_loss`` a pass-through.
-        opt_level: "O0" (fp32), "O1" (per-op casts), "O2" (half model, fp32 masters), "O3" (half everything).
+        opt_level: "O0" (fp32), "O1" (per-op casts), "O2" (half model, fp32 masters), "O3" (half everything),
+            or a :class:`apex_amp.amp.recipe.Recipe` of your own (a level is one recipe; see opt_levels.py).
         cast_model_type: override of the dtype the model is cast to (O0/O2/O3).
         patch_torch_functions: override of O1's per-op casting (only O1 may enable it).
         keep_batchnorm_fp32: keep batchnorm layers fp32 in a half model (O2/O3).

@@ -67,16 +67,18 @@ AmpProperties = Recipe
 
 
 def recipe_for(opt_level: Any) -> Recipe:
-    """The recipe of ``opt_level`` ("O0" ... "O3"); a ValueError naming the valid levels otherwise.
+    """The recipe of ``opt_level`` ("O0" ... "O3", or a :class:`Recipe` itself); a ValueError otherwise.
 
     Args:
-        opt_level: the level's name, as passed to ``amp.initialize``.
+        opt_level: the level's name, as passed to ``amp.initialize``, or a recipe (a level of your own).
 
     Example::
 
         >>> recipe_for("O2").master_weights
         True
     """
+    if isinstance(opt_level, Recipe):
+        return opt_level
     if isinstance(opt_level, str) and opt_level in LEVELS:
         return LEVELS[opt_level]
     hint = ""

@@ -69,6 +69,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _Fp8LinearFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
         x8, x_inv, w8, w_inv = ctx.saved_tensors
         binding = ctx.binding
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
@@ -101,10 +106,12 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         binding = self.fp8_binding
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
-                                        or (self.bias is not None and self.bias.requires_grad)):
-            return _Fp8LinearFunction.apply(x, self.weight, self.bias, binding)
-        return _forward(x, self.weight, self.bias, binding, record=False)[0]
+        # Autocast (O1) would cast the GEMM's fp32 scales to half: the fp8 path sets every dtype itself.
+        with torch.autocast(x.device.type, enabled=False):
+            if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
+                                            or (self.bias is not None and self.bias.requires_grad)):
+                return _Fp8LinearFunction.apply(x, self.weight, self.bias, binding)
+            return _forward(x, self.weight, self.bias, binding, record=False)[0]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", fp8=True"
