@@ -389,7 +389,7 @@ def initialize(
     if fp8_plan is not None:
         # The data-parallel ranks agree on the amaxes over the group they agree on skips, else all ranks.
         fp8_group = sync_group if sync_group is not None else (
-            torch.distributed.group.WORLD if _world_size() > 1 else None)
+            torch.distributed.group.WORLD if distributed_ready() else None)
         session.fp8 = start_fp8(fp8_plan, recipe, optimizer_list, session.lifecycle_of, device, fp8_group)
 
     recipe.apply_op_casting()

@@ -54,7 +54,9 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], binding: Fp8Bind
     out = forward_gemm(x8, x_inv, w8, w_inv, binding.out_dtype)
     if bias is not None:
         out = out + bias.to(binding.out_dtype)
-    return out.reshape(*x.shape[:-1], weight.shape[0]), (x8, x_inv, w8, w_inv)
+    if x.dim() != 2:  # a 2-D input gets the GEMM's own tensor back (not a view of it)
+        out = out.reshape(*x.shape[:-1], weight.shape[0])
+    return out, (x8, x_inv, w8, w_inv)
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -80,7 +82,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         g8, g_inv = _cast(g2, binding, GRAD_OUTPUT, binding.scales.recipe.backward_dtype, record=True)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = input_grad_gemm(g8, g_inv, w8, w_inv, ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = input_grad_gemm(g8, g_inv, w8, w_inv, ctx.x_dtype)
+            if len(ctx.x_shape) != 2:
+                grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_weight = weight_grad_gemm(g8, g_inv, x8, x_inv, ctx.weight_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
