@@ -20,6 +20,7 @@ import argparse
 import ast
 import json
 import math
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -33,6 +34,9 @@ from tqdm import tqdm
 from apex_amp import amp
 from apex_amp.amp import casting
 from apex_amp.optimizers import FusedAdam
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the fp8 report helper sits next to this file
+from _fp8_report import gemm_error_table, measure_gemm_errors  # noqa: E402
 
 __all__ = ["ALPHABET", "CharTransformer", "encode", "load_text", "main", "make_model", "parse_args", "VOCAB_SIZE"]
 
@@ -235,7 +239,15 @@ def train(args: argparse.Namespace, train_ids: torch.Tensor, val_ids: torch.Tens
         tqdm.write(f"epoch {epoch}: train loss {epochs[-1]['train_loss']:.3f}, held-out loss {val:.3f} "
                    f"(perplexity {math.exp(val):.2f}), {epochs[-1]['seconds']:.1f} s")
     bar.close()
-    return {"opt_level": args.opt_level, "half_dtype": args.half_dtype, "fp8": args.fp8, "precision": precision,
+    gemm_errors = []
+    if args.fp8:  # the fp8 GEMMs' relative errors next to the half ones, on one held-out batch
+        starts = torch.linspace(0, len(val_ids) - args.context - 1, args.batch_size).long()
+        # The loss as a training micro-batch computes it, so the gradients have the size the delayed
+        # scales were made for (twice as large, 1% of them would saturate at the e5m2 scale).
+        gemm_errors = measure_gemm_errors(model, *batch_of_windows(val_ids, starts, args.context),
+                                          half_dtype=HALF_DTYPES[args.half_dtype],
+                                          loss_fn=lambda m, x, y: lm_loss(m, x, y) / args.accumulate)
+    return {"opt_level": args.opt_level, "gemm_errors": gemm_errors, "half_dtype": args.half_dtype, "fp8": args.fp8, "precision": precision,
             "initial_val_loss": initial_val,
             "epochs": epochs, "final_loss_scale": amp.loss_scale(), "skipped_steps": skipped,
             "parameters": sum(p.numel() for p in model.parameters())}
@@ -266,6 +278,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
           f"{last['train_loss']:.3f}, held-out loss {result['initial_val_loss']:.3f} -> {last['val_loss']:.3f} "
           f"(perplexity {last['val_perplexity']:.2f}), loss scale {result['final_loss_scale']:g}, "
           f"skipped steps {result['skipped_steps']}, {result['seconds']:.1f} s")
+    if result["gemm_errors"]:
+        print(f"relative error of the GEMMs on one held-out batch (vs fp64): fp8 as trained, and {args.half_dtype}")
+        print(gemm_error_table(result["gemm_errors"], args.half_dtype))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
