@@ -326,3 +326,14 @@ def test_evaluation_under_no_grad_records_nothing(one_thread):
         model(randn(8, 32) * 1000)
     after = fp8_state()
     assert torch.equal(before["amax_history"], after["amax_history"]) and torch.equal(before["scale"], after["scale"])
+
+
+def test_the_report_names_fp8_support_of_the_visible_devices():
+    from apex_amp import _build_report
+
+    info = _build_report.collect()
+    text = _build_report.format_report(info)
+    assert "fp8 training (amp.initialize(..., fp8=True))" in text
+    assert info["fp8"][0] == "cpu: torch._scaled_mm runs (fp8 numerics, no speed-up)"
+    if not torch.cuda.is_available():
+        assert "fp8 speed needs an sm_89+ GPU" in info["fp8"][1]
