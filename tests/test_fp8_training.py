@@ -70,15 +70,15 @@ def _small_run(compiled: bool, steps: int = 3):
 
 
 @pytest.mark.slow
-def test_under_torch_compile_training_matches_eager_bitwise(one_thread, monkeypatch):
+def test_under_torch_compile_training_matches_eager_bitwise(one_thread):
     # Inductor keeps bf16 intermediates in fp32 unless told to round them as eager does; with that,
     # the compiled fp8 casts, GEMMs and scale updates are eager's, bit for bit.
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", True)
     torch._dynamo.reset()
     eager = _small_run(compiled=False)
-    compiled = _small_run(compiled=True)
+    with inductor_config.patch(emulate_precision_casts=True):
+        compiled = _small_run(compiled=True)
     torch._dynamo.reset()
     for got, expected in zip(compiled[0], eager[0]):
         assert torch.equal(got, expected)
