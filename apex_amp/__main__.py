@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         help="how apex_amp was built and what it runs on (the default command)",
         description="Which implementation of the ops is in use and why, how the extension "
         "was built (CUDA archs, CUDA version, compiler), the kernels of each op, the CPU "
-        "ISA, torch, GPUs and threads.",
+        "ISA, torch, GPUs and threads, and where fp8 training runs (fp8 tensor cores need sm_89+).",
     )
     report.add_argument("--json", action="store_true", help="print the facts as JSON")
     report.add_argument("--require-extension", action="store_true",

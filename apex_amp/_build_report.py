@@ -3,7 +3,7 @@
 :func:`collect` gathers the facts (which implementation of the ops is in use
 and why, how the extension was built, which kernels each op has, whether the
 host emulation of the CUDA kernels passed in this checkout, the CPU ISA,
-torch, GPUs, threads) into a plain dict; :func:`format_report` turns them into
+torch, GPUs, threads, and where fp8 training runs) into a plain dict; :func:`format_report` turns them into
 the text the command prints; :func:`problems` says what is missing when a
 caller (CI) requires the compiled CPU or CUDA kernels.
 """
@@ -18,6 +18,7 @@ import torch
 
 from . import __version__, _emulation_status
 from ._extension import STATUS
+from .fp8 import device_support
 
 __all__ = ["collect", "format_report", "problems"]
 
@@ -77,6 +78,7 @@ def collect() -> dict[str, Any]:
         "interop_threads": torch.get_num_interop_threads(),
         "openmp": torch._C.has_openmp,
         "cuda_emulation": _emulation_status.summary(),
+        "fp8": device_support(),
     }
 
 
@@ -129,6 +131,8 @@ def format_report(info: dict[str, Any]) -> str:
         f"  threads        {info['threads']} intra-op, {info['interop_threads']} inter-op"
         + (", OpenMP" if info["openmp"] else ""),
         f"  GPUs           {', '.join(info['gpus']) if info['gpus'] else 'none visible (torch.cuda.is_available() is False)'}",
+        "fp8 training (amp.initialize(..., fp8=True))",
+        *(f"  {line}" for line in info["fp8"]),
     ]
     return "\n".join(lines)
 

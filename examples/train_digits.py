@@ -3,6 +3,11 @@
     python examples/train_digits.py                        # all four levels, bf16, FusedAdam, into runs/digits
     python examples/train_digits.py --opt-level O2 --epochs 5 --out runs/o2
     python examples/train_digits.py --half-dtype float16   # fp16: a tiny model on CPU (no fast fp16 there)
+    python examples/train_digits.py --opt-level O0 O2 --fp8   # fp32, bf16 O2 and O2 with fp8 GEMMs
+
+With --fp8 every O1/O2 level is trained a second time with fp8 GEMMs in its
+eligible Linears (a row "O2 fp8"), and the fp8 GEMMs' relative errors next to
+the half-precision ones are printed for one test batch.
 
 Each level trains a fresh model from the same initial weights and data order. The
 script prints a table (test accuracy, seconds per epoch, memory, skipped steps,
@@ -32,6 +37,7 @@ from apex_amp.optimizers import FusedAdam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the report helper sits next to this file
 from _digits_report import markdown_table, memory_note, write_results  # noqa: E402
+from _fp8_report import gemm_error_table, measure_gemm_errors  # noqa: E402
 
 __all__ = ["main", "parse_args", "train_level"]
 
@@ -109,13 +115,16 @@ class SavedActivationBytes:
         self._hooks.__exit__(*exc)
 
 
-def train_level(opt_level: str, args: argparse.Namespace, data, device: torch.device) -> dict[str, Any]:
-    """Train a fresh model at one opt level; return its curves and summary numbers."""
+def train_level(opt_level: str, args: argparse.Namespace, data, device: torch.device,
+                fp8: bool = False) -> dict[str, Any]:
+    """Train a fresh model at one opt level (with fp8 GEMMs if ``fp8``); return its curves and summary numbers."""
     (x_train, y_train), (x_test, y_test) = data
     torch.manual_seed(args.seed)  # same initial weights and batch order at every level
     model = make_model(args.hidden).to(device)
     optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
     overrides = {} if args.loss_scale is None else {"loss_scale": args.loss_scale}
+    if fp8:
+        overrides["fp8"] = True
     model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level,
                                       half_dtype=getattr(torch, args.half_dtype), verbosity=0, **overrides)
     steps_per_epoch = -(-len(x_train) // args.batch_size)
@@ -125,6 +134,8 @@ def train_level(opt_level: str, args: argparse.Namespace, data, device: torch.de
         torch.cuda.reset_peak_memory_stats(device)
 
     precision = "fp32" if opt_level == "O0" else HALF_NAMES[args.half_dtype]
+    if fp8:
+        precision = f"fp8 + {precision}"
     step_loss, step_scale, step_skipped = [], [], []
     epoch_loss, epoch_accuracy, epoch_seconds = [], [], []
     activation_bytes = 0
@@ -164,8 +175,11 @@ def train_level(opt_level: str, args: argparse.Namespace, data, device: torch.de
         memory_bytes = torch.cuda.max_memory_allocated(device)
     else:
         memory_bytes = train_state_bytes(model, optimizer) + activation_bytes
+    gemm_errors = measure_gemm_errors(
+        model, x_test[:args.batch_size], y_test[:args.batch_size], half_dtype=getattr(torch, args.half_dtype),
+        loss_fn=lambda m, x, y: nn.functional.cross_entropy(m(x), y)) if fp8 else []
     return {
-        "opt_level": opt_level, "precision": precision,
+        "opt_level": opt_level, "precision": precision, "fp8": fp8, "gemm_errors": gemm_errors,
         "test_accuracy": epoch_accuracy[-1], "seconds_per_epoch": statistics.median(epoch_seconds),
         "memory_bytes": memory_bytes, "activation_bytes": activation_bytes,
         "skipped_steps": sum(step_skipped), "final_loss_scale": step_scale[-1],
@@ -215,6 +229,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     parser.add_argument("--out", type=Path, default=Path("runs/digits"),
                         help="folder for the results (default: %(default)s)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also train each O1/O2 level with fp8 GEMMs (amp.initialize(..., fp8=True))")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     args = parser.parse_args(argv)
     if min(args.epochs, args.batch_size, args.threads, *(args.hidden or [1])) < 1:
@@ -238,10 +254,13 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     o1_was_active = casting.is_active()
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    runs = [(level, False) for level in args.opt_level]
+    if args.fp8:
+        runs += [(level, True) for level in args.opt_level if level in ("O1", "O2")]
     results = []
     try:
-        for opt_level in args.opt_level:
-            results.append(train_level(opt_level, args, data, device))
+        for opt_level, fp8 in runs:
+            results.append(train_level(opt_level, args, data, device, fp8=fp8))
             gc.collect()  # free this level's model before the next one is measured
     finally:
         torch.set_num_threads(threads_before)
@@ -252,7 +271,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     config = {
         "model": model_text, "optimizer": args.optimizer, "half_dtype": args.half_dtype,
         "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-        "loss_scale": args.loss_scale, "device": str(device), "device_type": device.type,
+        "loss_scale": args.loss_scale, "fp8": args.fp8, "device": str(device), "device_type": device.type,
         "torch": torch.__version__, "threads": args.threads,
         "process_peak_rss_mib": _process_peak_rss_mib(),  # whole process, all levels together
     }
@@ -261,6 +280,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     print(markdown_table(results, device.type))
     print()
     print(memory_note(device.type))
+    for result in results:
+        if result["gemm_errors"]:
+            print()
+            print(f"{result['opt_level']} {result['precision']}: relative error of the GEMMs on one test batch "
+                  f"(vs fp64), fp8 as trained and in {args.half_dtype}")
+            print(gemm_error_table(result["gemm_errors"], HALF_NAMES[args.half_dtype]))
     print(f"results: {paths['table']}, {paths['json']}, {paths['plot']}")
     return results
 

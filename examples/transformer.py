@@ -4,6 +4,7 @@
     python examples/transformer.py --opt-level O1 --quick          # a few seconds
     python examples/transformer.py --accumulate 4 --json runs/lm.json
     python examples/transformer.py --half-dtype float16 --quick    # fp16 with dynamic loss scaling (slow on CPU)
+    python examples/transformer.py --fp8                           # O2 with fp8 GEMMs in the Linears
 
 The model reads characters: its text is the docstrings of the Python standard library,
 parsed from the stdlib's source files at run time (every CPython ships them; nothing is
@@ -19,6 +20,7 @@ import argparse
 import ast
 import json
 import math
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -32,6 +34,9 @@ from tqdm import tqdm
 from apex_amp import amp
 from apex_amp.amp import casting
 from apex_amp.optimizers import FusedAdam
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the fp8 report helper sits next to this file
+from _fp8_report import gemm_error_table, measure_gemm_errors  # noqa: E402
 
 __all__ = ["ALPHABET", "CharTransformer", "encode", "load_text", "main", "make_model", "parse_args", "VOCAB_SIZE"]
 
@@ -147,7 +152,8 @@ def held_out_loss(model: nn.Module, ids: torch.Tensor, context: int, windows: in
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--opt-level", default="O2", choices=["O1", "O2"], help="default: %(default)s")
+    parser.add_argument("--opt-level", default="O2", choices=["O0", "O1", "O2"],
+                        help="default: %(default)s (O0: the fp32 baseline)")
     parser.add_argument("--half-dtype", default="bfloat16", choices=sorted(HALF_DTYPES),
                         help="default: %(default)s (CPUs have no fast fp16)")
     parser.add_argument("--epochs", type=int, default=6, help="default: %(default)s")
@@ -170,6 +176,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     parser.add_argument("--quick", action="store_true",
                         help="2 epochs of 6 steps, batch 8, context 32, one layer, 64 held-out windows: a smoke test")
+    parser.add_argument("--fp8", action="store_true",
+                        help="fp8 GEMMs in the feed-forward Linears and the head (amp.initialize(..., fp8=True))")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this file")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     args = parser.parse_args(argv)
@@ -193,7 +201,8 @@ def train(args: argparse.Namespace, train_ids: torch.Tensor, val_ids: torch.Tens
     model = make_model(args.d_model, args.heads, args.layers, args.context)
     optimizer = FusedAdam(model.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level,
-                                      half_dtype=HALF_DTYPES[args.half_dtype], verbosity=0)
+                                      half_dtype=HALF_DTYPES[args.half_dtype], verbosity=0,
+                                      **({"fp8": True} if args.fp8 else {}))
     total_steps = args.epochs * args.steps_per_epoch
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps,
                                                     pct_start=0.1)
@@ -201,7 +210,9 @@ def train(args: argparse.Namespace, train_ids: torch.Tensor, val_ids: torch.Tens
     last_start = len(train_ids) - args.context - 1
     initial_val = held_out_loss(model, val_ids, args.context, args.eval_windows)
     epochs, skipped = [], 0
-    bar = tqdm(total=total_steps, desc=f"{args.opt_level} {args.half_dtype}", unit="step",
+    precision = "fp32" if args.opt_level == "O0" else args.half_dtype
+    precision = f"fp8 + {precision}" if args.fp8 else precision
+    bar = tqdm(total=total_steps, desc=f"{args.opt_level} {precision}", unit="step",
                disable=not args.progress, dynamic_ncols=True)
     for epoch in range(1, args.epochs + 1):
         start, train_loss = time.perf_counter(), torch.zeros(())
@@ -228,7 +239,16 @@ def train(args: argparse.Namespace, train_ids: torch.Tensor, val_ids: torch.Tens
         tqdm.write(f"epoch {epoch}: train loss {epochs[-1]['train_loss']:.3f}, held-out loss {val:.3f} "
                    f"(perplexity {math.exp(val):.2f}), {epochs[-1]['seconds']:.1f} s")
     bar.close()
-    return {"opt_level": args.opt_level, "half_dtype": args.half_dtype, "initial_val_loss": initial_val,
+    gemm_errors = []
+    if args.fp8:  # the fp8 GEMMs' relative errors next to the half ones, on one held-out batch
+        starts = torch.linspace(0, len(val_ids) - args.context - 1, args.batch_size).long()
+        # The loss as a training micro-batch computes it, so the gradients have the size the delayed
+        # scales were made for (twice as large, 1% of them would saturate at the e5m2 scale).
+        gemm_errors = measure_gemm_errors(model, *batch_of_windows(val_ids, starts, args.context),
+                                          half_dtype=HALF_DTYPES[args.half_dtype],
+                                          loss_fn=lambda m, x, y: lm_loss(m, x, y) / args.accumulate)
+    return {"opt_level": args.opt_level, "gemm_errors": gemm_errors, "half_dtype": args.half_dtype, "fp8": args.fp8, "precision": precision,
+            "initial_val_loss": initial_val,
             "epochs": epochs, "final_loss_scale": amp.loss_scale(), "skipped_steps": skipped,
             "parameters": sum(p.numel() for p in model.parameters())}
 
@@ -254,10 +274,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     first, last = result["epochs"][0], result["epochs"][-1]
     print(f"{result['parameters']:,} parameters, {len(train_ids):,} training characters; "
           f"held-out loss {result['initial_val_loss']:.3f} before training")
-    print(f"final: {args.opt_level} {args.half_dtype}: train loss {first['train_loss']:.3f} -> "
+    print(f"final: {args.opt_level} {result['precision']}: train loss {first['train_loss']:.3f} -> "
           f"{last['train_loss']:.3f}, held-out loss {result['initial_val_loss']:.3f} -> {last['val_loss']:.3f} "
           f"(perplexity {last['val_perplexity']:.2f}), loss scale {result['final_loss_scale']:g}, "
           f"skipped steps {result['skipped_steps']}, {result['seconds']:.1f} s")
+    if result["gemm_errors"]:
+        print(f"relative error of the GEMMs on one held-out batch (vs fp64): fp8 as trained, and {args.half_dtype}")
+        print(gemm_error_table(result["gemm_errors"], args.half_dtype))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

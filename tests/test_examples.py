@@ -115,3 +115,16 @@ def test_transformer_example_reads_a_given_text_and_rejects_bad_arguments(tmp_pa
     assert "multiple of 8" in capsys.readouterr().err
     with pytest.raises(ValueError, match="multiple of 8"):
         transformer.make_model(d_model=60, heads=4)
+
+
+def test_train_digits_fp8_adds_an_fp8_row_with_its_gemm_errors(tmp_path, one_thread):
+    train_digits = _load_train_digits()
+    results = train_digits.main(["--epochs", "2", "--opt-level", "O2", "--fp8", "--out", str(tmp_path),
+                                 "--no-progress"])
+    assert [(r["opt_level"], r["precision"]) for r in results] == [("O2", "bf16"), ("O2", "fp8 + bf16")]
+    plain, fp8 = results
+    assert abs(fp8["test_accuracy"] - plain["test_accuracy"]) < 0.05
+    gemms = {(row["layer"], row["gemm"]) for row in fp8["gemm_errors"]}
+    assert gemms == {(layer, gemm) for layer in ("0", "3") for gemm in ("forward", "input grad", "weight grad")}
+    # fp8 is far less exact than bf16, and still close: the errors are real measurements
+    assert all(row["half"] < row["fp8"] < 0.3 for row in fp8["gemm_errors"])

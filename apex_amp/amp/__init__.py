@@ -29,6 +29,7 @@ from .frontend import initialize
 from .run_state import load_state_dict, loss_scale, master_params, state_dict, step_was_skipped, sync_masters
 from .sharded_checkpoint import checkpoint_state
 from .opt_levels import OPT_LEVELS
+from ..fp8 import Fp8Recipe
 from . import _amp_state  # noqa: F401  apex's private state object, which clients read and set (not in __all__)
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "float_function",
     "promote_function",
     "OPT_LEVELS",
+    "Fp8Recipe",
     "last_overflow",
     "overflow_reports",
     "underflow_report",

@@ -29,7 +29,7 @@ from torch import Tensor
 from . import sessions
 from .gradients import GradLifecycle, GradState
 from .loss_scaler import LossScaler
-from .opt_levels import AmpProperties
+from .recipe import Recipe
 
 __all__ = ["AmpStash", "attach_stash", "LossScalerView", "PropertiesView", "loss_scaler_views", "opt_properties"]
 
@@ -174,23 +174,14 @@ class LossScalerView:
 class PropertiesView:
     """``amp._amp_state.opt_properties``: the latest ``initialize``'s properties under apex's names."""
 
-    def __init__(self, properties: Optional[AmpProperties]) -> None:
+    def __init__(self, properties: Optional[Recipe]) -> None:
         self._properties = properties
 
     @property
     def options(self) -> dict[str, Any]:
-        props = self._properties
-        if props is None:
+        if self._properties is None:
             return {"enabled": False}
-        return {
-            "enabled": True,
-            "opt_level": props.opt_level,
-            "cast_model_type": props.cast_model_type,
-            "patch_torch_functions": props.patch_torch_functions,
-            "keep_batchnorm_fp32": props.keep_batchnorm_fp32,
-            "master_weights": props.master_weights,
-            "loss_scale": "dynamic" if props.dynamic_loss_scale else props.loss_scale,
-        }
+        return self._properties.apex_options()
 
     def __getattr__(self, name: str) -> Any:
         options = self.options

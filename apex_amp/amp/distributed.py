@@ -41,10 +41,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .._dtypes import HALF_DTYPES
 from .fsdp2 import ShardedModels, check_fsdp2_models
 from .master_weights import MasterLink, OptimizerParams
-from .opt_levels import AmpProperties
+from .recipe import Recipe
 
 __all__ = [
     "agree_on_overflow", "broadcast_masters", "check_sharded_models", "distributed_ready", "note_ddp_wrappers",
@@ -87,7 +86,7 @@ def _is_flat_param(param: Tensor) -> bool:
 
 
 def check_sharded_models(
-    models: list[nn.Module], optimizers: list[torch.optim.Optimizer], properties: AmpProperties,
+    models: list[nn.Module], optimizers: list[torch.optim.Optimizer], properties: Recipe,
 ) -> tuple[Optional[Any], Optional[ShardedModels]]:
     """Refuse FSDP at levels amp cannot serve.
 
@@ -106,7 +105,7 @@ def check_sharded_models(
             "the optimizer holds FSDP FlatParameters (FullyShardedDataParallel with use_orig_params=False); "
             f"amp needs the original parameters. {FSDP_SUPPORTED}"
         )
-    if properties.cast_model_type in HALF_DTYPES or properties.master_weights:
+    if properties.casts_model_to_half or properties.master_weights:
         raise ValueError(
             f"opt_level={properties.opt_level} casts the model to half and keeps full-size fp32 masters, but the "
             f"model is sharded by FullyShardedDataParallel (FSDP1). {FSDP_SUPPORTED}"

@@ -1,4 +1,11 @@
-"""``amp.initialize``: check the models and optimizers, make their session, cast and hook the models."""
+"""``amp.initialize``: check the models and optimizers, then a short pipeline over the level's recipe.
+
+The recipe (:mod:`.recipe`, the levels in :mod:`.opt_levels`, the overrides in
+:mod:`.overrides`) makes every decision; this module checks the user's
+objects, makes the session, and applies the recipe to each model and
+optimizer in order: fp32 snapshots for the masters, the model's preparation,
+the optimizers' masters and gradient lifecycles, fp8, O1's casting.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +16,19 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import casting, sessions
+from . import sessions
 from .apex_private import attach_stash
 from .diagnostics import overflow
 from .distributed import check_sharded_models, distributed_ready, note_ddp_wrappers, overflow_group
+from .fp8_training import plan_fp8, start_fp8
 from .fsdp2 import refuse_late_sharding
 from .master_weights import attach_masters
-from .model_casting import add_cast_hooks, add_fp32_state_dict_hooks, cast_model_
 from .._dtypes import HALF_DTYPES
-from .opt_levels import parse_flag, resolve_properties
+from ..fp8 import Fp8Recipe
+from .opt_levels import recipe_for
 from .overflow_log import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS
+from .overrides import parse_flag, resolve
+from .recipe import Recipe
 from .session import AmpSession
 
 __all__ = ["initialize"]
@@ -145,6 +155,43 @@ def _half_dtype(half_dtype: Optional[torch.dtype]) -> torch.dtype:
     return _HALF_DTYPE_NAMES[name.strip().lower()]
 
 
+FP8_VARIABLE = "APEX_AMP_FP8"
+_FP8_NAMES = {"1": True, "true": True, "delayed": "delayed", "current": "current", "0": None, "false": None}
+
+
+def _fp8_choice(fp8: Any, opt_level: Any) -> Any:
+    # An explicit argument wins; APEX_AMP_FP8 turns fp8 on for scripts that never pass it, except at
+    # the levels that cannot take it (an fp32 O0 baseline in the same script keeps running).
+    if fp8 is not None:
+        return fp8
+    name = os.environ.get(FP8_VARIABLE, "").strip().lower()
+    if name not in _FP8_NAMES and name != "":
+        raise ValueError(
+            f"{FP8_VARIABLE}={name!r} is not understood; set it to 1 (delayed scaling), 'current' or 0 "
+            "(or unset it), or pass fp8= to amp.initialize"
+        )
+    choice = _FP8_NAMES.get(name)
+    if choice is None:
+        return None
+    try:
+        level = recipe_for(opt_level)
+    except ValueError:
+        return None  # the unknown level is reported by resolve with its own message
+    if level.fp8_refusal is not None:
+        logger.warning("%s=%s is ignored at %s: %s", FP8_VARIABLE, name, level.opt_level, level.fp8_refusal)
+        return None
+    return True if choice is True else Fp8Recipe.from_name(choice)
+
+
+def _master_snapshots(recipe: Recipe, optimizers: list[torch.optim.Optimizer], fsdp2: Any) -> dict[int, torch.Tensor]:
+    # Masters start from the user's exact fp32 weights, not from their half rounding.
+    return {
+        id(p): p.detach().clone()
+        for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]
+        if recipe.takes_master(p, sharded=fsdp2 is not None and fsdp2.holds_param(p))
+    }
+
+
 def _announce(message: str) -> None:
     # apex printed the chosen opt level and properties (on rank 0). Here it is an INFO record
     # of the "apex_amp" logger; when the program has configured no logging at all, Python's
@@ -200,6 +247,7 @@ def initialize(
     overflow_report: bool = False,
     collapse_warn_steps: Optional[int] = DEFAULT_COLLAPSE_WARN_STEPS,
     collapse_raise_steps: Optional[int] = DEFAULT_COLLAPSE_RAISE_STEPS,
+    fp8: Any = None,
 ) -> Any:
     """Prepare models and optimizers for mixed precision; returns the same objects.
 
@@ -209,7 +257,8 @@ def initialize(
         optimizers: a ``torch.optim.Optimizer`` (or a wrapper holding one in ``.optim``, such as
             :class:`apex_amp.optimizers.LARC`), a list of them, or None.
         enabled: False returns everything untouched and makes ``scale_loss`` a pass-through.
-        opt_level: "O0" (fp32), "O1" (per-op casts), "O2" (half model, fp32 masters), "O3" (half everything).
+        opt_level: "O0" (fp32), "O1" (per-op casts), "O2" (half model, fp32 masters), "O3" (half everything),
+            or a :class:`apex_amp.amp.recipe.Recipe` of your own (a level is one recipe; see opt_levels.py).
         cast_model_type: override of the dtype the model is cast to (O0/O2/O3).
         patch_torch_functions: override of O1's per-op casting (only O1 may enable it).
         keep_batchnorm_fp32: keep batchnorm layers fp32 in a half model (O2/O3).
@@ -289,75 +338,61 @@ def initialize(
         sessions.register(AmpSession(None, device, verbosity), optimizer_list, model_list)
         return result()
 
-    properties = resolve_properties(
-        opt_level, half_dtype=_half_dtype(half_dtype), cast_model_type=cast_model_type,
+    recipe = resolve(
+        recipe_for(opt_level), half_dtype=_half_dtype(half_dtype), cast_model_type=cast_model_type,
         patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=master_weights, loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
         num_losses=num_losses, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
         scale_window=scale_window, hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis,
-        skip_nonfinite=skip_nonfinite,
-        allow_banned=allow_banned, collapse_warn_steps=collapse_warn_steps,
-        collapse_raise_steps=collapse_raise_steps,
+        skip_nonfinite=skip_nonfinite, allow_banned=allow_banned, collapse_warn_steps=collapse_warn_steps,
+        collapse_raise_steps=collapse_raise_steps, fp8=_fp8_choice(fp8, opt_level),
     )
-    if overflow_report and not properties.check_finite:
+    if overflow_report and not recipe.check_finite:
         raise ValueError(
-            f"overflow_report=True needs gradient checks, which {properties.opt_level} with a static loss "
+            f"overflow_report=True needs gradient checks, which {recipe.opt_level} with a static loss "
             "scale leaves off; pass skip_nonfinite=True too (or use O1/O2)"
         )
     _check_materialized(model_list)
     _check_fp32_params(model_list)
     _check_each_param_in_one_optimizer(model_list, optimizer_list)
-    sharded_group, fsdp2 = check_sharded_models(model_list, optimizer_list, properties)
+    sharded_group, fsdp2 = check_sharded_models(model_list, optimizer_list, recipe)
     _check_optimizers_train_the_models(model_list, optimizer_list)
+    fp8_plan = plan_fp8(recipe, model_list, optimizer_list) if recipe.fp8 is not None else None
     # FSDP: each rank checks only its gradient shard, so the ranks must agree unless told otherwise.
     sync_group = sharded_group if sync_overflow is None else overflow_group(sync_overflow)
     if verbosity >= 1:
-        _announce(properties.describe())
+        _announce(recipe.describe())
+        notice = fp8_plan.notice(str(recipe.half_dtype)) if fp8_plan is not None else None
+        if notice is not None:
+            _announce(notice)
 
-    # Masters start from the user's exact fp32 weights, not from their half rounding.
-    # FSDP2's fp32 shards are not cast: they are the masters themselves.
-    fp32_values = {}
-    if properties.master_weights:
-        fp32_values = {
-            id(p): p.detach().clone()
-            for optimizer in optimizer_list for group in optimizer.param_groups for p in group["params"]
-            if p.dtype == torch.float32 and not (fsdp2 is not None and fsdp2.holds_param(p))
-        }
-    session = AmpSession(properties, device, verbosity)
+    fp32_values = _master_snapshots(recipe, optimizer_list, fsdp2)
+    session = AmpSession(recipe, device, verbosity)
     session.overflow_group = sync_group
     session.fsdp2 = fsdp2
-    model_dtype = properties.cast_model_type
-    model_is_half = model_dtype in HALF_DTYPES
     for index, model in enumerate(model_list):
         sharded = fsdp2 is not None and fsdp2.holds(model)
-        if model_dtype is not None:
-            # Under FSDP2 the policy casts the parameters for compute; amp casts the buffers.
-            cast_model_(model, model_dtype, bool(properties.keep_batchnorm_fp32), cast_params=not sharded)
+        recipe.prepare_model(model, session, sharded=sharded)
         if not sharded and distributed_ready():
             refuse_late_sharding(model, index)
-        output_dtype = properties.cast_model_outputs
-        if output_dtype is None and model_is_half:
-            output_dtype = torch.float32
-        add_cast_hooks(model, model_dtype, output_dtype)
-        if model_is_half:  # O2 and O3 (as apex): checkpoints hold fp32, the masters where there are any
-            add_fp32_state_dict_hooks(model, session)
-        if properties.master_weights:
-            if _world_size() > 1:
-                note_ddp_wrappers(model, session.ddp_wrappers)  # to follow DDP's broadcast, as apex did
+        if recipe.master_weights and _world_size() > 1:
+            note_ddp_wrappers(model, session.ddp_wrappers)  # to follow DDP's broadcast, as apex did
     given = list(optimizers) if isinstance(optimizers, (list, tuple)) else [] if optimizers is None else [optimizers]
     wrapper_of = {id(sessions.unwrap(o)): o for o in given if not isinstance(o, torch.optim.Optimizer)}
     for optimizer in optimizer_list:
         links = attach_masters(optimizer, fp32_value_of=lambda p: fp32_values.get(id(p))) \
-            if properties.master_weights else []
+            if recipe.master_weights else []
         wrapper = wrapper_of.get(id(optimizer))
         session.add_optimizer(optimizer, links, wrapped=wrapper is not None)
-        attach_stash(optimizer, session.lifecycle_of(optimizer), properties.master_weights, also_on=wrapper)
+        attach_stash(optimizer, session.lifecycle_of(optimizer), recipe.master_weights, also_on=wrapper)
     fp32_values.clear()  # the snapshots now live on as masters, or not at all
+    if fp8_plan is not None:
+        # The data-parallel ranks agree on the amaxes over the group they agree on skips, else all ranks.
+        fp8_group = sync_group if sync_group is not None else (
+            torch.distributed.group.WORLD if distributed_ready() else None)
+        session.fp8 = start_fp8(fp8_plan, recipe, optimizer_list, session.lifecycle_of, device, fp8_group)
 
-    if properties.patch_torch_functions:
-        casting.activate(properties.half_dtype, allow_banned=properties.allow_banned)
-    elif casting.is_active():
-        casting.deactivate()
+    recipe.apply_op_casting()
     sessions.register(session, optimizer_list, model_list)
     if overflow_report:
         overflow.enable(session, model_list)

@@ -43,7 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._dtensor import is_dtensor
 from .._dtypes import HALF_DTYPES
-from .opt_levels import AmpProperties
+from .recipe import Recipe
 
 __all__ = ["ShardedModels", "check_fsdp2_models", "fsdp2_modules", "refuse_late_sharding"]
 
@@ -125,13 +125,12 @@ class ShardedModels:
         return False
 
 
-def _check_policy(
-    name: str, module: nn.Module, cls: type, properties: AmpProperties, compute_dtype: torch.dtype
-) -> None:
+def _check_policy(name: str, module: nn.Module, cls: type, properties: Recipe) -> None:
     owned = [(owner, p) for owner, p in _own_params(module, cls) if p.is_floating_point()]
     if not owned:
         return  # nothing all-gathered here: the policy only casts the inputs, which amp casts too
-    keep_bn = bool(properties.keep_batchnorm_fp32) and compute_dtype in HALF_DTYPES
+    compute_dtype = properties.fsdp2_param_dtype(batchnorm=False)
+    keep_bn = properties.fsdp2_param_dtype(batchnorm=True) != compute_dtype
     batchnorms = {id(owner) for owner, _ in owned if isinstance(owner, _BatchNorm)}
     if keep_bn and batchnorms and len(batchnorms) < len({id(owner) for owner, _ in owned}):
         bn_name = next(n for n, m in module.named_modules() if id(m) in batchnorms)
@@ -182,7 +181,7 @@ def _process_group(params: Iterable[Tensor]) -> Any:
 
 
 def check_fsdp2_models(
-    models: list[nn.Module], optimizers: list[torch.optim.Optimizer], properties: AmpProperties
+    models: list[nn.Module], optimizers: list[torch.optim.Optimizer], properties: Recipe
 ) -> Optional[ShardedModels]:
     """Check every FSDP2 setup rule (module docstring) for ``models``; None when none is sharded by FSDP2."""
     cls = _fsdp2_class()
@@ -190,15 +189,10 @@ def check_fsdp2_models(
     found = [(index, modules) for index, modules in found if modules]
     if cls is None or not found:
         return None
-    half = properties.cast_model_type in HALF_DTYPES
-    if half and not properties.master_weights:
-        raise ValueError(
-            f"opt_level={properties.opt_level} without master weights (half weights, no fp32 copy) has no form under "
-            "fully_shard: FSDP2 keeps the sharded parameters in fp32 and all-gathers them in half for compute, "
-            "so they are fp32 masters already, at 1/world of the model per rank. Use opt_level='O2' (same half "
-            f"compute, fp32 updates, no extra copy) with fully_shard(..., mp_policy={_policy_str(properties.half_dtype)})"
-        )
-    compute_dtype = properties.cast_model_type if half else _FP32
+    refusal = properties.fsdp2_refusal()
+    if refusal is not None:
+        raise ValueError(refusal)
+    compute_dtype = properties.fsdp2_param_dtype(batchnorm=False)
     sharded_models, all_modules, sharded_params = [], [], []
     for index, modules in found:
         model = models[index]
@@ -212,7 +206,7 @@ def check_fsdp2_models(
                 )
             sharded_params.append(param)
         for name, module in modules:
-            _check_policy(name, module, cls, properties, compute_dtype)
+            _check_policy(name, module, cls, properties)
         sharded_models.append(model)
         all_modules.extend(module for _, module in modules)
     model_params = {p for model in models for p in model.parameters()}

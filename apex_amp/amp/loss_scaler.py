@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .opt_levels import LARGEST_SCALE, SMALLEST_SCALE
+from .overrides import LARGEST_SCALE, SMALLEST_SCALE
 from .overflow_log import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS, OverflowLog
 
 __all__ = ["LossScaler"]

@@ -30,6 +30,7 @@ __all__ = ["AmpSession"]
 logger = logging.getLogger("apex_amp")
 
 _CONFIG_KEY = "amp_config"  # the settings a checkpoint was saved with (see AmpSession.state_dict)
+_FP8_KEY = "fp8"  # the fp8 scales and amax histories, when fp8 is on
 
 
 class AmpSession:
@@ -75,6 +76,7 @@ class AmpSession:
             weakref.WeakKeyDictionary()
         )
         self.overflow_recorder: Any = None  # diagnostics.overflow.OverflowRecorder when reports are on
+        self.fp8: Any = None  # fp8_training.Fp8Training when fp8 is on: its scales and amax histories
 
     # ---- masters ------------------------------------------------------------
     def register_masters(self, links: Iterable[MasterLink]) -> None:
@@ -200,14 +202,18 @@ class AmpSession:
     def state_dict(self) -> dict[str, Any]:
         if not self.enabled:
             return {}
-        return {f"loss_scaler{i}": {**scaler.state_dict(), _CONFIG_KEY: self._config()}
-                for i, scaler in enumerate(self.scalers)}
+        state = {f"loss_scaler{i}": {**scaler.state_dict(), _CONFIG_KEY: self._config()}
+                 for i, scaler in enumerate(self.scalers)}
+        if self.fp8 is not None:
+            state[_FP8_KEY] = self.fp8.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"amp.load_state_dict expects the dict from amp.state_dict(), got {type(state_dict).__name__}")
         if not self.enabled:
             return
+        state_dict, fp8_state = self._split_fp8_state(state_dict)
         expected = {f"loss_scaler{i}" for i in range(len(self.scalers))}
         given = set(state_dict) - {_CONFIG_KEY}
         foreign = sorted(str(key) for key in given if not re.fullmatch(r"loss_scaler\d+", str(key)))
@@ -246,8 +252,25 @@ class AmpSession:
                   if f"loss_scaler{i}" in entries]
         for scaler, state in loaded:
             scaler.checked_state(state)
+        if fp8_state is not None:
+            self.fp8.load_state_dict(fp8_state)  # validates everything before it copies
         for scaler, state in loaded:
             scaler.load_state_dict(state)
+
+    # ---- fp8 (fp8_training.py): the scales and amax histories ride under one key --------------
+    def _split_fp8_state(self, state_dict: Mapping[str, Any]) -> tuple[Mapping[str, Any], Optional[Mapping]]:
+        fp8_state = state_dict.get(_FP8_KEY)
+        if fp8_state is None:
+            if self.fp8 is not None:
+                logger.warning("amp.load_state_dict: the state has no fp8 scales (saved without fp8); "
+                               "this run's fp8 scales start afresh")
+            return state_dict, None
+        if self.fp8 is None:
+            raise ValueError(
+                "amp state holds fp8 scales (saved with fp8=True) but this run has fp8 off; initialize with "
+                "fp8=True (and the same amp.Fp8Recipe), or drop the 'fp8' entry to resume without fp8"
+            )
+        return {key: value for key, value in state_dict.items() if key != _FP8_KEY}, fp8_state
 
     def _check_config(self, where: str, config: Any) -> None:
         if config is None:

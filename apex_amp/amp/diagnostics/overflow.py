@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +46,7 @@ class NonFiniteGrad:
     inf: int
     nan: int
     numel: int
+    fp8: bool = False  # a weight or bias of a layer whose GEMMs run in fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +60,15 @@ class OverflowReport:
         loss_scale: the scale the gradients carried.
         params: the parameters with non-finite gradients, in optimizer order.
             Empty when the flag came from another rank (``sync_overflow``).
+        fp8_tensors: the fp8 layers' tensors (``"<layer>.input"``, ``".weight"``,
+            ``".grad_output"``) whose amax in this step was inf or NaN (fp8 training only).
     """
 
     step: int
     loss_id: int
     loss_scale: float
     params: tuple[NonFiniteGrad, ...]
+    fp8_tensors: tuple[str, ...] = ()
 
     @property
     def names(self) -> list[str]:
@@ -73,19 +77,22 @@ class OverflowReport:
 
     def __str__(self) -> str:
         head = f"overflow at step {self.step}, loss scaler {self.loss_id}, loss scale {self.loss_scale:g}"
+        fp8 = f"; non-finite fp8 GEMM inputs: {', '.join(self.fp8_tensors)}" if self.fp8_tensors else ""
         if not self.params:
-            return head + ": no local gradient is non-finite (the flag came from another rank)"
-        lines = [head + f": {len(self.params)} parameter(s) with non-finite gradients"]
+            return head + ": no local gradient is non-finite (the flag came from another rank)" + fp8
+        lines = [head + f": {len(self.params)} parameter(s) with non-finite gradients" + fp8]
         width = max(len(param.name) for param in self.params)
         for param in self.params:
-            lines.append(f"  {param.name:<{width}}  inf {param.inf:>8}  nan {param.nan:>8}  of {param.numel}")
+            tag = "  (fp8 layer)" if param.fp8 else ""
+            lines.append(f"  {param.name:<{width}}  inf {param.inf:>8}  nan {param.nan:>8}  of {param.numel}{tag}")
         return "\n".join(lines)
 
 
 class OverflowRecorder:
     """Names of the parameters and the reports of one session."""
 
-    def __init__(self, models: Sequence[nn.Module]) -> None:
+    def __init__(self, models: Sequence[nn.Module], fp8: Any = None) -> None:
+        self.fp8 = fp8  # the session's fp8_training.Fp8Training, or None
         self.names = WeakIdKeyDictionary()
         for index, model in enumerate(models):
             prefix = f"model{index}." if len(models) > 1 else ""
@@ -104,22 +111,24 @@ class OverflowRecorder:
             for index, (param, grad) in enumerate(lifecycle.pending_grads()):
                 name = self.names.get(param)
                 # FSDP2: this rank's shard (each rank reports the non-finite values it holds).
-                grads.append((name if name is not None else f"params[{index}]", local_tensor(grad)))
+                grads.append((name if name is not None else f"params[{index}]", local_tensor(grad),
+                              self.fp8 is not None and self.fp8.holds_param(param)))
         params: list[NonFiniteGrad] = []
         if grads:
             device = found_inf.device
             counts = torch.stack([
-                torch.stack((torch.isinf(grad).sum(), torch.isnan(grad).sum())).to(device) for _, grad in grads
+                torch.stack((torch.isinf(grad).sum(), torch.isnan(grad).sum())).to(device) for _, grad, _ in grads
             ]).tolist()
             params = [
-                NonFiniteGrad(name, int(inf), int(nan), grad.numel())
-                for (name, grad), (inf, nan) in zip(grads, counts) if inf or nan
+                NonFiniteGrad(name, int(inf), int(nan), grad.numel(), fp8)
+                for (name, grad, fp8), (inf, nan) in zip(grads, counts) if inf or nan
             ]
         report = OverflowReport(
             step=lifecycles[0].steps,
             loss_id=loss_id,
             loss_scale=1.0 / float(inv_scale.reshape(-1)[0].item()),
             params=tuple(params),
+            fp8_tensors=tuple(self.fp8.nonfinite_tensors()) if self.fp8 is not None else (),
         )
         self.reports.append(report)
         logger.debug("%s", report)
@@ -127,7 +136,7 @@ class OverflowRecorder:
 
 def enable(session: AmpSession, models: Sequence[nn.Module]) -> None:
     """Turn overflow reports on for ``session`` (called by ``amp.initialize(..., overflow_report=True)``)."""
-    session.overflow_recorder = OverflowRecorder(models)
+    session.overflow_recorder = OverflowRecorder(models, session.fp8)
 
 
 def _recorder(optimizer: Optional[torch.optim.Optimizer], caller: str) -> OverflowRecorder:

@@ -213,7 +213,7 @@ def _precision(name: str, module: nn.Module, properties: Any, half: str) -> list
         return []
     if properties.patch_torch_functions:
         return [Finding(name, FindingKind.FP32_OP, f"{layer} runs in fp32 under O1 ({op}: rule fp32)")]
-    if properties.cast_model_type in HALF_DTYPES:
+    if properties.casts_model_to_half:
         return [Finding(name, FindingKind.FP32_OP,
                         f"{layer} runs in {half} under {properties.opt_level} (the whole model is cast); "
                         f"O1 would run {op} in fp32")]
@@ -235,7 +235,7 @@ def _batchnorm(name: str, module: nn.Module, properties: Any, half: str) -> list
         return []
     layer = type(module).__name__
     level = properties.opt_level
-    if properties.cast_model_type in HALF_DTYPES:
+    if properties.casts_model_to_half:
         if properties.keep_batchnorm_fp32:
             message = (f"{layer} kept fp32 under {level} (keep_batchnorm_fp32=True): weights and running "
                        f"statistics stay fp32; its input is the {half} activation")

@@ -1,0 +1,84 @@
+"""Precision recipes: each opt level is one frozen object owning its decisions; a new level is one recipe."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from apex_amp import amp
+from apex_amp.amp import opt_levels
+from apex_amp.amp.recipe import OpCategory, Recipe
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def test_each_level_is_a_frozen_recipe():
+    assert opt_levels.OPT_LEVELS == ("O0", "O1", "O2", "O3")
+    for name, recipe in opt_levels.LEVELS.items():
+        assert isinstance(recipe, Recipe) and recipe.opt_level == name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            recipe.master_weights = True
+
+
+@pytest.mark.parametrize("level, matmul, fp32_op, batchnorm", [
+    ("O0", FP32, FP32, FP32),
+    ("O1", BF16, FP32, FP32),
+    ("O2", BF16, BF16, FP32),
+    ("O3", BF16, BF16, BF16),
+])
+def test_the_compute_dtype_per_op_category(level, matmul, fp32_op, batchnorm):
+    recipe = opt_levels.resolve_properties(level, half_dtype=BF16)
+    assert recipe.compute_dtype(OpCategory.MATMUL) == matmul
+    assert recipe.compute_dtype(OpCategory.FP32_OP) == fp32_op
+    assert recipe.compute_dtype(OpCategory.BATCHNORM) == batchnorm
+    assert recipe.compute_dtype(OpCategory.FP8_LINEAR) == matmul  # no fp8: a Linear is a matmul
+
+
+def test_fp8_is_the_compute_dtype_of_fp8_linears_only():
+    recipe = opt_levels.resolve_properties("O2", half_dtype=BF16, fp8=True)
+    assert recipe.compute_dtype(OpCategory.FP8_LINEAR) == torch.float8_e4m3fn
+    assert recipe.compute_dtype(OpCategory.MATMUL) == BF16
+    assert "fp8 GEMMs (e4m3fn forward, e5m2 gradients), delayed scaling" in recipe.describe()
+
+
+def test_the_half_dtype_replacement_moves_every_field_that_follows_it():
+    o2 = opt_levels.resolve_properties("O2", half_dtype=BF16)
+    assert (o2.cast_model_type, o2.dynamic_loss_scale, o2.loss_scale, o2.check_finite) == (BF16, False, 1.0, True)
+    assert o2.fsdp2_param_dtype(batchnorm=False) == BF16 and o2.fsdp2_param_dtype(batchnorm=True) == FP32
+    o0 = opt_levels.resolve_properties("O0", half_dtype=BF16)
+    assert o0.cast_model_type == FP32 and o0.fsdp2_param_dtype(batchnorm=False) == FP32
+
+
+def test_apex_options_are_apexs():
+    assert opt_levels.resolve_properties("O2").apex_options() == {
+        "enabled": True, "opt_level": "O2", "cast_model_type": FP16, "patch_torch_functions": False,
+        "keep_batchnorm_fp32": True, "master_weights": True, "loss_scale": "dynamic"}
+
+
+def test_a_level_of_your_own_is_one_recipe(one_thread):
+    # "O2 with half batchnorm and a static scale of 128", written once as a recipe, trains exactly
+    # like O2 with the same overrides: every part of amp read it through the recipe.
+    o2_half_bn = dataclasses.replace(opt_levels.O2, opt_level="O2-half-bn", keep_batchnorm_fp32=False,
+                                     dynamic_loss_scale=False, loss_scale=128.0)
+
+    def run(opt_level, **overrides):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0, **overrides)
+        assert model[1].weight.dtype == FP16 and amp.loss_scale() == 128.0
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(8, 8, generator=generator)
+            with amp.scale_loss(model(x).float().pow(2).mean(), optimizer) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in amp.master_params(optimizer)]
+
+    mine = run(o2_half_bn)
+    reference = run("O2", keep_batchnorm_fp32=False, loss_scale=128.0)
+    assert all(torch.equal(a, b) for a, b in zip(mine, reference))
