@@ -1,0 +1,5 @@
+"""``apex.optimizers.fused_adagrad``, the module NVIDIA apex defined FusedAdagrad in (``from apex.optimizers.fused_adagrad import FusedAdagrad``)."""
+
+from apex_amp.optimizers import FusedAdagrad
+
+__all__ = ["FusedAdagrad"]

@@ -1,0 +1,5 @@
+"""``apex.optimizers.fused_sgd``, the module NVIDIA apex defined FusedSGD in (``from apex.optimizers.fused_sgd import FusedSGD``)."""
+
+from apex_amp.optimizers import FusedSGD
+
+__all__ = ["FusedSGD"]
