@@ -7,6 +7,8 @@ that imports apex itself and cannot be edited, such as the Hugging Face Trainer
 - ``apex.amp`` is ``apex_amp.amp`` (the same module object) and ``apex.optimizers``' fused
   optimizers (``FusedAdam``, ``FusedSGD``, ``FusedLAMB``, ``FusedMixedPrecisionLamb``,
   ``FusedNovoGrad``, ``FusedAdagrad``) are apex_amp's classes themselves;
+- ``apex.multi_tensor_apply.multi_tensor_applier`` and the top-level ``amp_C`` module run apex's
+  kernel calls (clipping norms, scaling, the optimizer kernels) on apex_amp's ops;
 - ``apex.parallel.DistributedDataParallel``, ``SyncBatchNorm`` and ``convert_syncbn_model`` take
   apex's arguments on top of torch's DistributedDataParallel and SyncBatchNorm;
 - every other part of NVIDIA apex (``apex.fp16_utils``, ``apex.normalization``, ``apex.contrib``,

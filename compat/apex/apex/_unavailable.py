@@ -36,10 +36,6 @@ UNAVAILABLE_MODULES: dict[str, str] = {
         "use apex.amp.initialize(model, optimizer, opt_level='O2') (half model, fp32 master weights, "
         "dynamic loss scaling), or torch.autocast with torch.amp.GradScaler"
     ),
-    "apex.multi_tensor_apply": (
-        "multi_tensor_applier and NVIDIA apex's amp_C kernels are not provided: use apex_amp.ops "
-        "(scale_, unscale_, axpby_, l2norm, check_finite, fused_adam_) or torch's torch._foreach_* ops"
-    ),
     "apex.normalization": (
         "FusedLayerNorm, FusedRMSNorm and the fused_layer_norm functions are not provided: "
         "use torch.nn.LayerNorm and torch.nn.RMSNorm (torch.nn.functional.layer_norm / rms_norm)"
