@@ -147,13 +147,16 @@ def lamb(grads: list[Tensor], params: list[Tensor], ms: list[Tensor], vs: list[T
 def update_scale_hysteresis(scale: float, growth: int, hysteresis_left: int, found_inf: float, *,
                             growth_factor: float, backoff_factor: float, growth_interval: int,
                             hysteresis: int) -> tuple[float, int, int]:
-    """update_scale_hysteresis_cuda_kernel on host numbers: (scale, growth tracker, hysteresis tracker)."""
+    """update_scale_hysteresis_cuda_kernel on host numbers: (scale, growth tracker, hysteresis tracker).
+
+    apex compiles it with --use_fast_math: a subnormal fp32 result is flushed to zero."""
     if found_inf > 0:
         hysteresis_left -= 1
         if hysteresis_left > 0:
             return scale, 0, hysteresis_left
     if found_inf:
         scale = float(torch.tensor(scale * backoff_factor, dtype=torch.float32))
+        scale = 0.0 if abs(scale) < torch.finfo(torch.float32).tiny else scale
         growth = 0
     else:
         successful = growth + 1

@@ -193,15 +193,18 @@ def l2norm_scale_measures_in_and_writes_scaled_out():
 
 @check
 def update_scale_hysteresis_follows_apex_step_by_step():
-    scale, growth, hysteresis_left = torch.full((1,), 65536.0), flag(), flag(2)
-    expected = (65536.0, 0, 2)
-    for found in (0, 0, 1, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0):
-        returned = amp_C.update_scale_hysteresis(scale, growth, hysteresis_left, torch.full((1,), float(found)),
-                                                 2.0, 0.5, 3, 2)
-        expected = ref.update_scale_hysteresis(*expected, float(found), growth_factor=2.0, backoff_factor=0.5,
-                                               growth_interval=3, hysteresis=2)
-        assert returned is scale
-        assert (float(scale), int(growth), int(hysteresis_left)) == expected, (found, expected)
+    # The second run backs off below fp32's smallest normal number, where apex's scale became 0.
+    for init_scale, founds in ((65536.0, (0, 0, 1, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0)), (1e-37, (1,) * 6 + (0,) * 4)):
+        scale, growth, hysteresis_left = torch.full((1,), init_scale), flag(), flag(2)
+        expected = (float(scale), 0, 2)
+        for found in founds:
+            returned = amp_C.update_scale_hysteresis(scale, growth, hysteresis_left, torch.full((1,), float(found)),
+                                                     2.0, 0.5, 3, 2)
+            expected = ref.update_scale_hysteresis(*expected, float(found), growth_factor=2.0, backoff_factor=0.5,
+                                                   growth_interval=3, hysteresis=2)
+            assert returned is scale
+            assert (float(scale), int(growth), int(hysteresis_left)) == expected, (found, expected)
+        assert init_scale > 1 or float(scale) == 0.0
 
 
 @check

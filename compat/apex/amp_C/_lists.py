@@ -233,7 +233,8 @@ def update_scale_hysteresis(current_scale: Tensor, growth_tracker: Tensor, hyste
     An overflow (``found_inf`` 1) spends one unit of hysteresis and resets the growth count;
     once the hysteresis is spent the scale is multiplied by ``backoff_factor``. A clean step
     refills the hysteresis and counts; after ``growth_interval`` of them the scale is multiplied
-    by ``growth_factor`` unless that is inf in fp32. No floor and no cap, as in apex. The rule is
+    by ``growth_factor`` unless that is inf in fp32. No floor and no cap, as in apex, whose
+    fast-math build turned a scale below fp32's smallest normal number into 0. The rule is
     apex_amp's ``update_scale_``; ``hysteresis_tracker`` then takes apex's value (it counts on
     below zero through overflows in a row, where apex_amp's stops at zero: same decisions).
 
@@ -257,4 +258,7 @@ def update_scale_hysteresis(current_scale: Tensor, growth_tracker: Tensor, hyste
                       backoff_factor=backoff_factor, growth_interval=int(growth_interval), hysteresis=int(hysteresis),
                       min_scale=0.0, max_scale=math.inf, consecutive_hysteresis=True)
     hysteresis_tracker.copy_(torch.where(found_inf.reshape(()) != 0, previous - 1, int(hysteresis)))
+    # apex builds amp_C with --use_fast_math, which flushes a subnormal float to zero: a scale backed
+    # off below fp32's smallest normal number became 0 there (apex's own test expects it).
+    current_scale.masked_fill_(current_scale.abs() < torch.finfo(torch.float32).tiny, 0.0)
     return current_scale
