@@ -40,7 +40,8 @@ def check_chunk_size(name: str, chunk_size: Any) -> None:
                         f"2048 * 32), got {chunk_size!r}")
 
 
-def unpack(name: str, chunk_size: Any, tensor_lists: Any, depths: Sequence[int]) -> tuple[list[list[Tensor]], torch.device]:
+def unpack(name: str, chunk_size: Any, tensor_lists: Any,
+           depths: Sequence[int]) -> tuple[list[list[Tensor]], torch.device]:
     """The tensor lists as lists, and their device; raises as apex did for a malformed call.
 
     Args:
@@ -71,8 +72,8 @@ def unpack(name: str, chunk_size: Any, tensor_lists: Any, depths: Sequence[int])
     for index, tensors in enumerate(lists):
         for position, t in enumerate(tensors):
             if t.device != device:
-                raise ValueError(f"amp_C.{name}: tensor_lists[{index}][{position}] is on {t.device}, tensor_lists[0][0] "
-                                 f"on {device}; put every tensor of a call on one device")
+                raise ValueError(f"amp_C.{name}: tensor_lists[{index}][{position}] is on {t.device}, "
+                                 f"tensor_lists[0][0] on {device}; put every tensor of a call on one device")
     return lists, device
 
 
@@ -140,5 +141,6 @@ def check_optimizer_dtypes(name: str, lists: list[list[Tensor]], replacement: st
     for index, tensors in enumerate(lists):
         for position, t in enumerate(tensors):
             if t.dtype not in _OPTIMIZER_DTYPES:
-                raise TypeError(f"amp_C.{name}: tensor_lists[{index}][{position}] is {t.dtype}; apex_amp's kernels take "
-                                f"torch.float32, torch.float16 and torch.bfloat16. For {t.dtype}, use {replacement}")
+                raise TypeError(f"amp_C.{name}: tensor_lists[{index}][{position}] is {t.dtype}; apex_amp's kernels "
+                                "take torch.float32, torch.float16 and torch.bfloat16. "
+                                f"For {t.dtype}, use {replacement}")

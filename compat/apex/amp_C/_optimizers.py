@@ -74,7 +74,8 @@ def _adam(name: str, lists: list[list[Tensor]], device: torch.device, step: Unio
         return
     # apex's kernel updates fp16/bf16 params beside fp32 moments; apex_amp's op does that through fp32
     # masters (written back in the same pass), so such params get temporary ones.
-    through_master = [i for i, p in enumerate(params) if p.dtype != torch.float32 and exp_avgs[i].dtype == torch.float32]
+    through_master = [i for i, p in enumerate(params)
+                      if p.dtype != torch.float32 and exp_avgs[i].dtype == torch.float32]
     direct = [i for i in range(len(params)) if i not in set(through_master)]
     for indices, via_master in ((direct, False), (through_master, True)):
         if not indices:

@@ -1,4 +1,7 @@
-"""``apex.optimizers.fused_novograd``, the module NVIDIA apex defined FusedNovoGrad in (``from apex.optimizers.fused_novograd import FusedNovoGrad``)."""
+"""``apex.optimizers.fused_novograd``, the module NVIDIA apex defined FusedNovoGrad in.
+
+``from apex.optimizers.fused_novograd import FusedNovoGrad`` gives apex_amp's class itself.
+"""
 
 from apex_amp.optimizers import FusedNovoGrad
 

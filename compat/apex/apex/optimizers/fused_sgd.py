@@ -1,4 +1,7 @@
-"""``apex.optimizers.fused_sgd``, the module NVIDIA apex defined FusedSGD in (``from apex.optimizers.fused_sgd import FusedSGD``)."""
+"""``apex.optimizers.fused_sgd``, the module NVIDIA apex defined FusedSGD in.
+
+``from apex.optimizers.fused_sgd import FusedSGD`` gives apex_amp's class itself.
+"""
 
 from apex_amp.optimizers import FusedSGD
 
