@@ -54,6 +54,8 @@ def applier_calls_amp_c_with_apex_chunk_size_first():
     assert seen == (2048 * 32, "buf", [["x"]], 1.5, True), seen
     assert multi_tensor_applier.available and isinstance(multi_tensor_applier, MultiTensorApply)
     assert apex_amp.__file__ == sys.argv[1], (apex_amp.__file__, sys.argv[1])  # the tree under test
+    if os.environ.get("APEX_AMP_FORCE_FALLBACK", "0") not in ("", "0"):
+        assert apex_amp.ops.BACKEND == "fallback"
 
 
 @check

@@ -4,9 +4,10 @@ The compat distribution is installed into a throwaway venv (``_throwaway_venv.py
 ``_compat_amp_c_installed.py`` runs there: every amp_C function against a plain-PyTorch
 computation of what apex's CUDA kernel computes (``_amp_c_reference.py``), apex's return shapes,
 the noop flag (skipped on where apex skipped, set on inf/NaN where apex set it), Megatron-style
-clipping and a LAMB written as apex's reference optimizers are. Each check is one test here.
+clipping and a LAMB written as apex's reference optimizers are. Each check is one test here, on
+each of apex_amp's backends.
 
-Costs: the venv and install ~4 s, the script ~5 s.
+Costs: the venv and install ~4 s, the script ~5 s per backend (compiled kernels, fallback).
 """
 
 from __future__ import annotations
@@ -50,13 +51,19 @@ CHECKS = [
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
+def installed(tmp_path_factory) -> Path:
     python = make_venv(tmp_path_factory.mktemp("compat-amp-c-venv") / "venv")
     done = pip_install_compat(python)
     assert done.returncode == 0, f"pip install ./compat/apex failed:\n{done.stdout}\n{done.stderr}"
-    done = subprocess.run([str(python), str(TESTS / "_compat_amp_c_installed.py"), apex_amp.__file__],
-                          capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return python
+
+
+# amp_C calls apex_amp.ops, which run the compiled kernels or the pure-PyTorch fallback.
+@pytest.fixture(scope="module", params=["extension", "fallback"])
+def results(installed, request) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", APEX_AMP_FORCE_FALLBACK="1" if request.param == "fallback" else "0")
+    done = subprocess.run([str(installed), str(TESTS / "_compat_amp_c_installed.py"), apex_amp.__file__],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT, env=env)
     assert done.returncode == 0, f"the amp_C checks failed to run:\n{done.stdout}\n{done.stderr}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
