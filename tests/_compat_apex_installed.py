@@ -4,11 +4,14 @@ distribution `apex` installed: uses it the way third-party code does and prints 
 - what transformers checks (importlib.metadata / importlib.util) and what it imports;
 - a few training steps through the `apex` names only, timm's ApexScaler way (scale_loss,
   master_params, clipping, state_dict), at O1 and O2 with fp16, the dtype such code gets;
+- each of apex's fused optimizers, imported by apex's names and module paths, training at O2
+  fp16 through one overflow (a skipped step), beside the same optimizer on an fp32 model;
 - timm's distributed set-up, in one process (gloo, world size 1): convert_syncbn_model,
   amp.initialize, then DistributedDataParallel(model, delay_allreduce=True);
 - every import statement given on the command line, with the error it raised.
 """
 
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -18,6 +21,7 @@ import sys
 
 findings = {
     "version": importlib.metadata.version("apex"),
+    "apex_amp_file": importlib.util.find_spec("apex_amp").origin,
     "requires": importlib.metadata.requires("apex"),
     "spec_origin": importlib.util.find_spec("apex").origin,
 }
@@ -71,6 +75,51 @@ for opt_level in ("O1", "O2"):
     findings[f"losses_{opt_level}"] = [losses[0], losses[-1]]
     findings[f"amp_state_keys_{opt_level}"] = sorted(amp.state_dict())
     findings[f"first_weight_dtype_{opt_level}"] = str(model[0].weight.dtype)
+
+# apex's fused optimizers: the classes, by apex's names and module paths, are apex_amp's own.
+FAMILY = {"FusedAdam": ("fused_adam", dict(lr=1e-2)), "FusedSGD": ("fused_sgd", dict(lr=0.1, momentum=0.9)),
+          "FusedLAMB": ("fused_lamb", dict(lr=2e-2)),
+          "FusedMixedPrecisionLamb": ("fused_mixed_precision_lamb", dict(lr=2e-2)),
+          "FusedNovoGrad": ("fused_novograd", dict(lr=0.5)), "FusedAdagrad": ("fused_adagrad", dict(lr=2e-2))}
+OVERFLOW_STEP = 3
+findings["same_optimizers"] = {
+    name: getattr(apex.optimizers, name) is getattr(apex_amp.optimizers, name)
+    and getattr(importlib.import_module(f"apex.optimizers.{module}"), name) is getattr(apex_amp.optimizers, name)
+    for name, (module, _) in FAMILY.items()}
+
+
+def train_with_overflow(optimizer_class, options, o2: bool) -> dict:
+    # O2 fp16 through amp (a gradient set to inf at OVERFLOW_STEP), or the fp32 model with that step skipped.
+    model = fresh_model()
+    optimizer = optimizer_class(model.parameters(), **options)
+    if o2:
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    losses, skipped_step_kept_weights = [], None
+    for step in range(20):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(inputs), targets)
+        before = model[0].weight.detach().clone()
+        if o2:
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+                if step == OVERFLOW_STEP:
+                    model[0].weight.grad.view(-1)[0] = float("inf")
+        else:
+            loss.backward()
+        if o2 or step != OVERFLOW_STEP:
+            optimizer.step()
+        if step == OVERFLOW_STEP:
+            skipped_step_kept_weights = torch.equal(before, model[0].weight.detach())
+        losses.append(loss.item())
+    result = {"losses": losses, "skipped_step_kept_weights": skipped_step_kept_weights}
+    if o2:
+        result["loss_scale"] = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    return result
+
+
+for name, (_, options) in FAMILY.items():
+    findings[f"o2_overflow_{name}"] = train_with_overflow(getattr(apex.optimizers, name), options, o2=True)
+    findings[f"fp32_{name}"] = train_with_overflow(getattr(apex.optimizers, name), options, o2=False)
 
 # timm's order: SyncBN conversion, amp.initialize, then apex's DDP.
 with socket.socket() as probe:

@@ -3,8 +3,11 @@
 The venv is made with the project venv's interpreter and sees the project's packages
 (torch, apex_amp, setuptools, pip) through one .pth file that runs ``site.addsitedir`` on the
 project venv's site-packages: a plain path line would not process that folder's own .pth files,
-which is where the editable apex_amp install lives. Its own site-packages comes first on
-sys.path, so what pip installs there is what gets imported. The compat distribution installs
+which is where the editable apex_amp install lives. The same .pth file then names the source
+tree of the apex_amp these tests imported, so that the venv imports that one (a worktree under
+test) even where the project venv's editable install points at another checkout: the editable
+finder only answers after the path entries. Its own site-packages comes first on sys.path, so
+what pip installs there is what gets imported. The compat distribution installs
 from the local folder with ``--no-deps --no-build-isolation --no-index``: no network.
 """
 
@@ -15,8 +18,12 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import apex_amp
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPAT = ROOT / "compat" / "apex"
+# The folder that holds the apex_amp package these tests import.
+APEX_AMP_TREE = Path(apex_amp.__file__).resolve().parents[1]
 TIMEOUT_S = 180
 
 
@@ -26,7 +33,7 @@ def make_venv(folder: Path) -> Path:
     python = folder / "bin" / "python"
     project_site = sysconfig.get_paths()["purelib"]
     (site_packages_of(python) / "_apex_amp_project_venv.pth").write_text(
-        f"import site; site.addsitedir({project_site!r})\n")
+        f"import site; site.addsitedir({project_site!r})\n{APEX_AMP_TREE}\n")
     return python
 
 

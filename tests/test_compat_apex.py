@@ -49,14 +49,14 @@ IMPORTS = {
     "import apex.normalization": ("ModuleNotFoundError", "torch.nn.LayerNorm"),
     "from apex.normalization.fused_layer_norm import fused_layer_norm_affine": ("ModuleNotFoundError", "torch.nn.LayerNorm"),
     "from apex.fp16_utils import FP16_Optimizer": ("ModuleNotFoundError", "opt_level='O2'"),
-    "from apex.multi_tensor_apply import multi_tensor_applier": ("ModuleNotFoundError", "apex_amp.ops"),
+    "from apex.multi_tensor_apply import multi_tensor_applier; import amp_C": (None, ""),
+    "from apex.multi_tensor_apply.multi_tensor_apply import MultiTensorApply": (None, ""),
     "import apex.contrib.xentropy": ("ModuleNotFoundError", "torch.nn.CrossEntropyLoss(label_smoothing"),
     "import apex.contrib.bottleneck": ("ModuleNotFoundError", "torch.compile"),
     "from apex.transformer import parallel_state": ("ModuleNotFoundError", "megatron.core"),
-    "from apex.optimizers import FusedSGD": ("ImportError", "torch.optim.SGD(..., fused=True)"),
-    "from apex.optimizers import FusedLAMB": ("ImportError", "timm.optim.Lamb"),
-    "from apex.optimizers.fused_lamb import FusedLAMB": ("ModuleNotFoundError", "timm.optim.Lamb"),
-    "from apex.optimizers import FusedAdagrad": ("ImportError", "torch.optim.Adagrad(..., fused=True)"),
+    "from apex.optimizers import FusedSGD, FusedLAMB, FusedNovoGrad, FusedAdagrad, FusedMixedPrecisionLamb": (None, ""),
+    "import amp_C; amp_C.multi_tensor_lamb_stage1_cuda": ("AttributeError", "amp_C.multi_tensor_lamb"),
+    "from apex.optimizers import FusedLARC": ("ImportError", "cannot import name"),
     "from apex.parallel.LARC import LARC; import apex_amp; assert LARC is apex_amp.optimizers.LARC": (None, ""),
     "from apex.parallel import Reducer": ("ImportError", "no_sync()"),
     "import apex.parallel.multiproc": ("ModuleNotFoundError", "torchrun"),
@@ -64,7 +64,7 @@ IMPORTS = {
     "from apex.amp._amp_state import _amp_state": (None, ""),
     "import apex.amp.handle": ("ModuleNotFoundError", "public API"),
     "apex.normalization": ("AttributeError", "torch.nn.LayerNorm"),
-    "assert not hasattr(apex.optimizers, 'FusedNovoGrad')": (None, ""),
+    "assert not hasattr(apex.parallel, 'Reducer')": (None, ""),
 }
 
 
@@ -106,6 +106,27 @@ def test_metadata_checks_pass_as_transformers_makes_them(findings):
 
 def test_apex_amp_and_fused_adam_are_apex_amps_own_objects(findings):
     assert findings["same_amp"] and findings["same_fused_adam"] and findings["amp_has_state_dict"]
+
+
+def test_the_venv_imports_the_apex_amp_under_test(findings):
+    assert findings["apex_amp_file"] == apex_amp.__file__
+
+
+OPTIMIZERS = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad", "FusedAdagrad"]
+
+
+def test_apex_optimizers_by_name_and_module_are_apex_amps_classes(findings):
+    assert findings["same_optimizers"] == dict.fromkeys(OPTIMIZERS, True)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_each_optimizer_trains_at_o2_fp16_through_an_overflow_like_fp32(findings, name):
+    o2, fp32 = findings[f"o2_overflow_{name}"], findings[f"fp32_{name}"]
+    assert o2["skipped_step_kept_weights"] and fp32["skipped_step_kept_weights"]
+    assert o2["loss_scale"] == 2.0**15  # backed off once from 2**16
+    assert o2["losses"][-1] < 0.9 * o2["losses"][0]
+    gaps = [abs(a - b) / b for a, b in zip(o2["losses"], fp32["losses"])]
+    assert max(gaps) < 0.02, gaps
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
@@ -194,18 +215,19 @@ def _fake_nvidia_apex(folder: Path, *, package: bool = True, metadata: bool = Tr
     return folder
 
 
-def _import_from_source_with(other: Path) -> subprocess.CompletedProcess:
+def _import_from_source_with(other: Path, statement: str = "import apex") -> subprocess.CompletedProcess:
     # The compat package from its source folder first on the path, the other apex after it.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(COMPAT), str(other)]))
-    return subprocess.run([sys.executable, "-c", "import apex"], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-c", statement], capture_output=True, text=True, env=env,
                           timeout=TIMEOUT_S, cwd=ROOT)
 
 
+@pytest.mark.parametrize("statement", ["import apex", "import amp_C"])
 @pytest.mark.parametrize("kind", ["package and metadata", "metadata only", "compiled module only"])
-def test_import_refuses_when_another_apex_is_on_the_path(tmp_path, kind):
+def test_import_refuses_when_another_apex_is_on_the_path(tmp_path, kind, statement):
     other = _fake_nvidia_apex(tmp_path / "nvidia", package=kind == "package and metadata",
                               metadata=kind != "compiled module only", extension=kind == "compiled module only")
-    done = _import_from_source_with(other)
+    done = _import_from_source_with(other, statement)
     assert done.returncode != 0
     assert "ApexShadowingError" in done.stderr and "refuses to import next to another apex" in done.stderr
     assert str(other) in done.stderr
@@ -222,6 +244,30 @@ def test_guard_passes_the_compat_package_itself_and_its_metadata(tmp_path):
         "Metadata-Version: 2.1\nName: apex\nVersion: 0.1.0+apexamp\nRequires-Dist: apex_amp==0.1.0\n")
     (tmp_path / "empty" / "apex" / "__pycache__").mkdir(parents=True)  # what an uninstall may leave
     assert guard.other_apex_installations([str(folder), str(tmp_path / "empty"), str(COMPAT)]) == []
+
+
+def _compat_amp_c(folder: Path, marked: bool = True) -> Path:
+    (folder / "amp_C").mkdir(parents=True)
+    (folder / "amp_C" / "__init__.py").write_text("")
+    if marked:
+        (folder / "amp_C" / guard.AMP_C_MARKER).write_text("")
+    return folder
+
+
+def test_guard_passes_the_compat_amp_c_and_refuses_any_other(tmp_path):
+    assert (COMPAT / "amp_C" / guard.AMP_C_MARKER).is_file()  # the marker the guard looks for is real
+    ours = _compat_amp_c(tmp_path / "ours")
+    assert guard.other_apex_installations([str(ours)]) == []
+    unmarked = _compat_amp_c(tmp_path / "unmarked", marked=False)
+    beside = _compat_amp_c(tmp_path / "beside")
+    (beside / "amp_C.cpython-311-x86_64-linux-gnu.so").write_text("")  # hidden by the package, still found
+    behind = tmp_path / "behind"
+    behind.mkdir()
+    (behind / "amp_C.abi3.so").write_text("")
+    found = guard.other_apex_installations([str(ours), str(unmarked), str(beside), str(behind)])
+    assert found == [f"NVIDIA apex's compiled module `amp_C` at {unmarked / 'amp_C' / '__init__.py'}",
+                     f"NVIDIA apex's compiled module `amp_C` at {beside / 'amp_C.cpython-311-x86_64-linux-gnu.so'}",
+                     f"NVIDIA apex's compiled module `amp_C` at {behind / 'amp_C.abi3.so'}"]
 
 
 def test_guard_names_each_kind_of_other_apex(tmp_path):

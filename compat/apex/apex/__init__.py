@@ -4,12 +4,15 @@ Installed only on request (``pip install ./compat/apex`` from the apex_amp repos
 that imports apex itself and cannot be edited, such as the Hugging Face Trainer
 (``half_precision_backend="apex"``) and timm's ``train.py --amp-impl apex``:
 
-- ``apex.amp`` is ``apex_amp.amp`` (the same module object) and ``apex.optimizers.FusedAdam`` is
-  ``apex_amp.optimizers.FusedAdam`` (the same class);
+- ``apex.amp`` is ``apex_amp.amp`` (the same module object) and ``apex.optimizers``' fused
+  optimizers (``FusedAdam``, ``FusedSGD``, ``FusedLAMB``, ``FusedMixedPrecisionLamb``,
+  ``FusedNovoGrad``, ``FusedAdagrad``) are apex_amp's classes themselves;
+- ``apex.multi_tensor_apply.multi_tensor_applier`` and the top-level ``amp_C`` module run apex's
+  kernel calls (clipping norms, scaling, the optimizer kernels) on apex_amp's ops;
 - ``apex.parallel.DistributedDataParallel``, ``SyncBatchNorm`` and ``convert_syncbn_model`` take
   apex's arguments on top of torch's DistributedDataParallel and SyncBatchNorm;
 - every other part of NVIDIA apex (``apex.fp16_utils``, ``apex.normalization``, ``apex.contrib``,
-  ``apex.optimizers.FusedLAMB``, ...) raises an ImportError that names its replacement.
+  ...) raises an ImportError that names its replacement.
 
 It refuses to import when another apex (NVIDIA's, or any other package of that name) is
 visible too, rather than hide it.

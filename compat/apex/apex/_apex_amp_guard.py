@@ -9,7 +9,10 @@ Standard library only: ``setup.py`` loads this file by path, in a build environm
 have neither torch nor apex_amp.
 
 The presence of this file is also the mark of the compat package: an ``apex`` package folder
-that contains a file of this name is this package (an installed copy or the source tree).
+that contains a file of this name is this package (an installed copy or the source tree). The
+compat distribution's own ``amp_C`` (apex's kernel module, rebuilt on apex_amp's ops) is marked
+the same way, by :data:`AMP_C_MARKER` in its package folder; NVIDIA's ``amp_C`` is a compiled
+module, never such a folder.
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ import importlib.metadata
 import os
 import re
 from collections.abc import Iterable
-from importlib.machinery import PathFinder
+from importlib.machinery import EXTENSION_SUFFIXES, PathFinder
 
-__all__ = ["MARKER", "ApexShadowingError", "other_apex_installations", "refuse_if_shadowing"]
+__all__ = ["MARKER", "AMP_C_MARKER", "ApexShadowingError", "other_apex_installations", "refuse_if_shadowing"]
 
 MARKER = "_apex_amp_guard.py"
+# The module of the compat package's amp_C that adapts apex's calling convention to apex_amp's ops.
+AMP_C_MARKER = "_apex_amp_adapter.py"
 
 # Top-level modules that only NVIDIA apex installs: its compiled extensions. Finding one means
-# NVIDIA apex (or what a partial uninstall left of it) is in the environment.
+# NVIDIA apex (or what a partial uninstall left of it) is in the environment; the compat
+# package's own amp_C, a package folder holding AMP_C_MARKER, is the one exception.
 NVIDIA_APEX_MODULES = ("amp_C", "apex_C", "syncbn", "fused_layer_norm_cuda", "fused_adam_cuda")
 
 
@@ -38,8 +44,26 @@ class ApexShadowingError(RuntimeError):
     """
 
 
-def _is_compat_folder(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, MARKER))
+def _is_compat_folder(folder: str, marker: str = MARKER) -> bool:
+    return os.path.isfile(os.path.join(folder, marker))
+
+
+def _nvidia_modules_in(folder: str) -> list[str]:
+    # Folder by folder, so that an NVIDIA amp_C is found even behind the compat package's own.
+    found: list[tuple[str, str]] = []
+    for module in NVIDIA_APEX_MODULES:
+        spec = PathFinder.find_spec(module, [folder])
+        if spec is None:
+            continue
+        locations = spec.submodule_search_locations or []
+        if module == "amp_C" and locations and all(_is_compat_folder(loc, AMP_C_MARKER) for loc in locations):
+            # The compat package's own amp_C. A compiled amp_C beside it, which the package hides
+            # from imports (a leftover of NVIDIA apex), still counts.
+            found.extend((module, os.path.join(folder, name)) for name in sorted(os.listdir(folder))
+                         if name.startswith("amp_C.") and name.endswith(tuple(EXTENSION_SUFFIXES)))
+        elif spec.origin is not None or any(_holds_python_code(location) for location in locations):
+            found.append((module, spec.origin or locations[0]))
+    return [f"NVIDIA apex's compiled module `{module}` at {path}" for module, path in found]
 
 
 def _holds_python_code(folder: str) -> bool:
@@ -66,7 +90,8 @@ def other_apex_installations(search_path: Iterable[str]) -> list[str]:
 
     Looks for ``apex`` package folders (regular or namespace), ``apex`` distribution metadata
     (``*.dist-info`` / ``*.egg-info``) that does not depend on apex_amp, and NVIDIA apex's
-    compiled extension modules (``amp_C``, ``apex_C``, ...).
+    compiled extension modules (``amp_C``, ``apex_C``, ...; the compat package's own ``amp_C``
+    package, marked by :data:`AMP_C_MARKER`, does not count).
 
     Args:
         search_path: folders to look in, as on ``sys.path``; missing folders are skipped.
@@ -92,10 +117,8 @@ def other_apex_installations(search_path: Iterable[str]) -> list[str]:
     for dist in importlib.metadata.distributions(name="apex", path=folders):
         if not _is_compat_distribution(dist):
             found.append(f"the distribution apex {dist.version} (metadata in {dist.locate_file('')})")
-    for module in NVIDIA_APEX_MODULES:
-        spec = PathFinder.find_spec(module, folders)
-        if spec is not None:
-            found.append(f"NVIDIA apex's compiled module `{module}` at {spec.origin}")
+    for folder in folders:
+        found.extend(_nvidia_modules_in(folder))
     return list(dict.fromkeys(found))
 
 

@@ -1,7 +1,7 @@
 """The parts of NVIDIA apex that the compat package does not provide, each with its replacement.
 
 One table, two kinds of entry: modules (``import apex.normalization``) and names inside a module
-we do provide (``from apex.optimizers import FusedLAMB``). Everything that reports a missing
+we do provide (``from apex.parallel import Reducer``). Everything that reports a missing
 part reads it from here:
 
 - :class:`UnavailableFinder`, first on ``sys.meta_path``, turns an import of a listed module or
@@ -10,7 +10,7 @@ part reads it from here:
   ``apex_amp.amp``, and without the finder ``import apex.amp.handle`` would load apex_amp's own
   ``handle.py`` a second time as a separate module with its own state.
 - :func:`missing_attribute` gives the packages' ``__getattr__`` the same messages as an
-  ``AttributeError``, so ``hasattr(apex.optimizers, "FusedLAMB")`` stays ``False`` and
+  ``AttributeError``, so ``hasattr(apex.parallel, "Reducer")`` stays ``False`` and
   ``apex.normalization`` (without an import) still says what to use instead.
 
 No entry is a stub: nothing listed here can be imported.
@@ -26,21 +26,15 @@ from typing import Optional
 __all__ = ["UNAVAILABLE_MODULES", "UNAVAILABLE_NAMES", "UnavailableFinder", "install_finder", "missing_attribute",
            "message_for"]
 
-_OPTIMIZERS_NOTE = "apex_amp provides apex.optimizers.FusedAdam only"
-
 # Modules of NVIDIA apex (as of 25.05, its last release with amp) that are not provided. An entry
 # also covers its submodules (`apex.contrib` covers `apex.contrib.xentropy.softmax_xentropy`).
-# Every entry's parent is a package the compat package provides (apex, apex.optimizers,
-# apex.parallel): Python imports the parent first, so an entry below a missing one is never reached.
+# Every entry's parent is a package the compat package provides (apex, apex.parallel): Python
+# imports the parent first, so an entry below a missing one is never reached.
 UNAVAILABLE_MODULES: dict[str, str] = {
     "apex.fp16_utils": (
         "FP16_Optimizer, network_to_half and the other fp16_utils helpers are not provided: "
         "use apex.amp.initialize(model, optimizer, opt_level='O2') (half model, fp32 master weights, "
         "dynamic loss scaling), or torch.autocast with torch.amp.GradScaler"
-    ),
-    "apex.multi_tensor_apply": (
-        "multi_tensor_applier and NVIDIA apex's amp_C kernels are not provided: use apex_amp.ops "
-        "(scale_, unscale_, axpby_, l2norm, check_finite, fused_adam_) or torch's torch._foreach_* ops"
     ),
     "apex.normalization": (
         "FusedLayerNorm, FusedRMSNorm and the fused_layer_norm functions are not provided: "
@@ -73,28 +67,8 @@ UNAVAILABLE_MODULES: dict[str, str] = {
     "apex.parallel.sync_batchnorm_kernel": "use apex.parallel.SyncBatchNorm (or torch.nn.SyncBatchNorm)",
 }
 
-# apex's other optimizers, by class name, with the module apex defined each in.
-_OPTIMIZERS: dict[str, tuple[str, str]] = {
-    "FusedSGD": ("fused_sgd", f"FusedSGD is not provided ({_OPTIMIZERS_NOTE}): use torch.optim.SGD(..., fused=True)"),
-    "FusedLAMB": ("fused_lamb", (
-        f"FusedLAMB is not provided ({_OPTIMIZERS_NOTE}) and torch has no LAMB: use timm.optim.Lamb"
-    )),
-    "FusedMixedPrecisionLamb": ("fused_mixed_precision_lamb", (
-        f"FusedMixedPrecisionLamb is not provided ({_OPTIMIZERS_NOTE}): use timm.optim.Lamb under "
-        "apex.amp.initialize(..., opt_level='O2') for fp32 master weights"
-    )),
-    "FusedNovoGrad": ("fused_novograd", (
-        f"FusedNovoGrad is not provided ({_OPTIMIZERS_NOTE}) and torch has no NovoGrad: use timm.optim.NvNovoGrad"
-    )),
-    "FusedAdagrad": ("fused_adagrad", (
-        f"FusedAdagrad is not provided ({_OPTIMIZERS_NOTE}): use torch.optim.Adagrad(..., fused=True)"
-    )),
-}
-UNAVAILABLE_MODULES.update({f"apex.optimizers.{module}": message for module, message in _OPTIMIZERS.values()})
-
 # Names inside modules the compat package does provide.
 UNAVAILABLE_NAMES: dict[str, str] = {
-    **{f"apex.optimizers.{name}": message for name, (_, message) in _OPTIMIZERS.items()},
     "apex.parallel.Reducer": (
         "Reducer is not provided: use apex.parallel.DistributedDataParallel and delay the reduction with "
         "its no_sync() context, or torch.distributed.all_reduce on the gradients"
@@ -176,7 +150,7 @@ class UnavailableFinder(importlib.abc.MetaPathFinder):
         if fullname.startswith("apex_amp.") and importlib.machinery.PathFinder.find_spec(fullname, path) is not None:
             return None  # apex_amp's own module of that name: never stand in its way
         if fullname in UNAVAILABLE_NAMES or fullname.startswith("apex_amp."):
-            # `from apex.optimizers import FusedLAMB` (or `from apex.amp import scaler`) ends
+            # `from apex.parallel import Reducer` (or `from apex.amp import scaler`) ends
             # here after the attribute lookup failed; a ModuleNotFoundError would be swallowed by
             # that import and replaced by Python's generic "cannot import name", so this one is a
             # plain ImportError.
