@@ -14,18 +14,18 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["is_dtensor", "local_tensor", "local_tensors"]
+__all__ = ["DTENSOR_TYPES", "is_dtensor", "local_tensor", "local_tensors"]
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
 
-    _DTENSOR: tuple[type, ...] = (DTensor,)
+    DTENSOR_TYPES: tuple[type, ...] = (DTensor,)  # for isinstance() in hot loops
 else:  # a torch built without distributed has no DTensors
-    _DTENSOR = ()
+    DTENSOR_TYPES = ()
 
 
 def is_dtensor(tensor: object) -> bool:
-    return bool(_DTENSOR) and isinstance(tensor, _DTENSOR)
+    return isinstance(tensor, DTENSOR_TYPES)
 
 
 def local_tensor(tensor: Tensor) -> Tensor:

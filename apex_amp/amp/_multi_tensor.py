@@ -20,14 +20,20 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .._dtensor import local_tensors
+from .._dtensor import DTENSOR_TYPES, local_tensor
 
 __all__ = ["check_finite", "unscale_", "scale_", "axpby_"]
 
 
 def _dense(tensors: Sequence[Tensor]) -> list[Tensor]:
+    # One comprehension with no call for a plain tensor: this runs on every pass's gradients.
+    return [_dense_local(t) if t.is_sparse or isinstance(t, DTENSOR_TYPES) else t for t in tensors]
+
+
+def _dense_local(tensor: Tensor) -> Tensor:
     # The values of a sparse COO tensor are a dense view of its stored elements.
-    return [t._values() if t.is_sparse else t for t in local_tensors(tensors)]
+    tensor = local_tensor(tensor)
+    return tensor._values() if tensor.is_sparse else tensor
 
 
 def _per_device(lists: Sequence[Sequence[Tensor]], found_inf: Tensor, call: Callable[..., None]) -> None:

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from . import casting, sessions
-from .gradients import PassRecord, PassScale
+from .gradients import GradLifecycle, PassRecord, PassScale
+from .session import AmpSession
 
 __all__ = ["scale_loss"]
 
@@ -84,8 +85,8 @@ def scale_loss(
         ...     scaled_loss.backward()
         >>> optimizer.step()
     """
-    optimizer_list = sessions.as_optimizer_list(optimizers)
-    session = sessions.find_session(optimizer_list, "scale_loss")
+    resolved = sessions.resolve(optimizers, "scale_loss")
+    session = resolved.session
     if not session.enabled:
         yield loss
         return
@@ -106,9 +107,65 @@ def scale_loss(
             "compute the loss from the model's outputs with autograd enabled"
         )
     scaler = session.scalers[loss_id]
+    lifecycles = resolved.lifecycles
+    if scaler.static_value == 1.0 and not scaler.check_finite and all(
+        lifecycle.can_pass_in_place() for lifecycle in lifecycles
+    ):
+        yield from _pass_in_place(loss, session, lifecycles)
+    else:
+        yield from _checked_pass(loss, session, lifecycles, loss_id, model, delay_unscale)
+
+
+def _pass_in_place(loss: Tensor, session: AmpSession, lifecycles: list[GradLifecycle]) -> Iterator[Tensor]:
+    # A static scale of 1, no check, no masters, nothing kept scaled (O0, O3): the backward's sum is
+    # the true gradient and amp has nothing to do, as apex's short cut had it. Only the lifecycle's
+    # state moves, so a step inside the block is still refused.
+    begun = []
+    try:
+        for lifecycle in lifecycles:
+            lifecycle.begin_pass_in_place()
+            begun.append(lifecycle)
+    except BaseException:
+        for lifecycle in begun:
+            lifecycle.abort_pass()
+        raise
+    try:
+        if session.properties.patch_torch_functions:
+            with casting.disable_casts():  # see _checked_pass
+                yield loss.float()
+        else:
+            yield loss.float()
+    except BaseException:
+        for lifecycle in lifecycles:
+            lifecycle.abort_pass()
+        raise
+    if not session.warned_unreached:
+        _warn_if_unreached(session, lifecycles)
+    for lifecycle in lifecycles:
+        lifecycle.end_pass(None, None, delay_unscale=False)
+    if session.properties.patch_torch_functions:
+        casting.clear_cache()
+
+
+def _warn_if_unreached(session: AmpSession, lifecycles: list[GradLifecycle]) -> None:
+    if any(lifecycle.has_new_grads() for lifecycle in lifecycles):
+        return
+    session.warned_unreached = True
+    logger.warning(
+        "amp.scale_loss: the backward pass produced no gradient for any parameter of the optimizer(s) "
+        "passed to it, so optimizer.step() will not change anything. The loss probably comes from a "
+        "model whose parameters these optimizers do not hold (a model created or re-created after "
+        "amp.initialize?); train the models and optimizers that amp.initialize returned"
+    )
+
+
+def _checked_pass(
+    loss: Tensor, session: AmpSession, lifecycles: list[GradLifecycle], loss_id: int,
+    model: Optional[torch.nn.Module], delay_unscale: bool,
+) -> Iterator[Tensor]:
+    scaler = session.scalers[loss_id]
     session.flush_logs(check_collapse=True)  # raises once a loss scale has collapsed
     session.loaded_values.forget()  # a resume's loads are done once training runs
-    lifecycles = [session.lifecycle_of(optimizer) for optimizer in optimizer_list]
     session.follow_ddp_wrappers(model, lifecycles)  # once per wrapper: rank 0's masters
     local_accumulation = _skips_grad_sync(model) or session.accumulates_in_fsdp2()
     if local_accumulation:
@@ -146,16 +203,8 @@ def scale_loss(
             lifecycle.abort_pass()
         raise
 
-    if not session.warned_unreached and not local_accumulation and not any(
-        lifecycle.has_new_grads() for lifecycle in lifecycles
-    ):
-        session.warned_unreached = True
-        logger.warning(
-            "amp.scale_loss: the backward pass produced no gradient for any parameter of the optimizer(s) "
-            "passed to it, so optimizer.step() will not change anything. The loss probably comes from a "
-            "model whose parameters these optimizers do not hold (a model created or re-created after "
-            "amp.initialize?); train the models and optimizers that amp.initialize returned"
-        )
+    if not local_accumulation and not session.warned_unreached:
+        _warn_if_unreached(session, lifecycles)
     found_inf = scaler.found_inf_for_pass()  # zeroed; nothing keeps it past this exit
     scale = PassScale(
         loss_id=loss_id, epoch=scaler.scale_epoch, inv_scale=scaler.inv_scale(),  # the scale these gradients carry

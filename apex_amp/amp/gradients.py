@@ -61,10 +61,9 @@ accumulation of another loss or scale first.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -84,8 +83,13 @@ class GradState(enum.Enum):
     IN_STEP = "optimizer.step() is running between amp's step hooks"
     SPENT = "a step consumed SCALED gradients; direct parameters' .grad still carry the scale"
 
+    # Members are singletons: hash them by identity, in C (Enum's own __hash__ is Python code
+    # hashing the name, and every transition and state test looks states up).
+    __hash__ = object.__hash__
+
 
 _S = GradState
+_IN_PLACE_STATES = frozenset({_S.EMPTY, _S.UNSCALED})  # no gradients kept scaled
 _TRANSITIONS: dict[GradState, frozenset[GradState]] = {
     _S.EMPTY: frozenset({_S.IN_PASS, _S.IN_STEP}),
     _S.IN_PASS: frozenset({_S.UNSCALED, _S.SCALED, _S.DELAYED, _S.EMPTY}),  # EMPTY/UNSCALED/DELAYED: aborted
@@ -97,8 +101,9 @@ _TRANSITIONS: dict[GradState, frozenset[GradState]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class PassScale:
+# The records of a pass or a step are made on every pass and step: named tuples, which cost a
+# fraction of a dataclass to build.
+class PassScale(NamedTuple):
     """The scale the gradients of one backward pass carry."""
 
     loss_id: int
@@ -112,8 +117,7 @@ class PassScale:
         return (self.loss_id, self.epoch)
 
 
-@dataclasses.dataclass(frozen=True)
-class PassRecord:
+class PassRecord(NamedTuple):
     """A checked backward pass for the session to account (agree across ranks, update the scale, log).
 
     ``settle`` returns one for a DELAYED accumulation it checks, ``scale_loss`` makes one for the
@@ -126,15 +130,15 @@ class PassRecord:
     inv_scale: Tensor
 
 
-@dataclasses.dataclass
-class _OpenPass:
+class _OpenPass(NamedTuple):
     resumes: GradState  # where abort_pass returns
     stash: list[Optional[Tensor]]  # the direct params' .grad from before the pass
     continues_delayed: bool  # the backward adds to DELAYED gradients in place
+    in_place: bool = False  # begin_pass_in_place: the backward adds to true gradients in place
+    had_grads: bool = False  # in place: gradients were there before the backward
 
 
-@dataclasses.dataclass
-class _OpenStep:
+class _OpenStep(NamedTuple):
     resumes: GradState  # where an interrupted step returns
     hidden: list[tuple[Tensor, Tensor]]  # (param, grad) hidden from a skipped non-fused step
     undo: Optional[Callable[[], None]]  # the step hooks' own clean-up, should the step raise
@@ -178,6 +182,10 @@ class GradLifecycle:
         self._masters_reconciled = False
         self._open_pass: Optional[_OpenPass] = None
         self._open_step: Optional[_OpenStep] = None
+        # A zero flag standing for clean passes known on the host; never written (note_found_inf).
+        self._clean_flag = torch.zeros(1, device=device)
+        # What a fused step gets when no checked pass or kept scale is pending (made once).
+        self._unscaled_step_args = AmpStepArgs(None, None, self.params.model_param_of)
 
     # ---- the one writer of `state` ------------------------------------------------
     def _move(self, to: GradState) -> None:
@@ -201,9 +209,11 @@ class GradLifecycle:
 
     def has_new_grads(self) -> bool:
         """Whether the open pass's backward reached a parameter of this optimizer."""
-        if self._open_pass is not None and self._open_pass.continues_delayed:
+        opened = self._open_pass
+        if opened is not None and (opened.continues_delayed or (opened.in_place and opened.had_grads)):
             return True  # added in place: new and old gradients are indistinguishable
-        return bool(self._new_grads())
+        return any(p.grad is not None for p in self.params.direct) or any(
+            link.model_param.grad is not None for link in self.params.links)
 
     def pending_grads(self) -> list[tuple[Tensor, Tensor]]:
         """(parameter as the model knows it, gradient) of every gradient the next step consumes, in optimizer order.
@@ -233,13 +243,26 @@ class GradLifecycle:
         )
 
     # ---- around a backward pass ----------------------------------------------------
-    def begin_pass(self, key: tuple[int, int], local_accumulation: bool) -> None:
-        """``scale_loss`` entry: stash the gradients already there so the backward writes fresh ones.
+    def can_pass_in_place(self) -> bool:
+        """Whether a pass with the static scale 1.0 and no check may add to the gradients in place.
 
-        Args:
-            key: (loss_id, scale epoch) of the pass (after ``AmpSession.settle_for_pass``).
-            local_accumulation: DDP ``no_sync()``: this pass's gradients must stay scaled in place.
+        So it may without masters and with no scaled gradients kept (O0 and O3 by default): the
+        backward's sum is then the true gradient, and amp has nothing to do (apex's short cut).
         """
+        return not self.params.links and not self.params.makes_masters and self.state in _IN_PLACE_STATES
+
+    def begin_pass_in_place(self) -> None:
+        """``scale_loss`` entry of a pass that ``can_pass_in_place``: the backward adds to ``.grad`` itself.
+
+        No step is under way and no pass open in the states that allow it, so the checks of
+        ``begin_pass`` have nothing to find.
+        """
+        self.sync_params()
+        had_grads = any(p.grad is not None for p in self.params.direct)
+        self._open_pass = _OpenPass(self.state, [], continues_delayed=False, in_place=True, had_grads=had_grads)
+        self._move(GradState.IN_PASS)
+
+    def _check_can_open_pass(self) -> None:
         self._recover_interrupted_step()
         if self.state is GradState.IN_PASS:
             raise RuntimeError(
@@ -251,6 +274,15 @@ class GradLifecycle:
                 "amp.scale_loss was entered while optimizer.step() of the same optimizer runs (from a step "
                 "hook or a subclass's step?); run the backward pass before optimizer.step(), not inside it"
             )
+
+    def begin_pass(self, key: tuple[int, int], local_accumulation: bool) -> None:
+        """``scale_loss`` entry: stash the gradients already there so the backward writes fresh ones.
+
+        Args:
+            key: (loss_id, scale epoch) of the pass (after ``AmpSession.settle_for_pass``).
+            local_accumulation: DDP ``no_sync()``: this pass's gradients must stay scaled in place.
+        """
+        self._check_can_open_pass()
         self.sync_params()
         self._reconcile_masters_once()
         if self.state is GradState.DELAYED and self.kept_scale.key == key:
@@ -281,6 +313,10 @@ class GradLifecycle:
     def abort_pass(self) -> None:
         """The ``scale_loss`` block raised: drop the partial new gradients, put the stashed ones back."""
         opened, self._open_pass = self._open_pass, None
+        if opened.in_place:
+            # What the backward added before it raised stays, as it would without amp.
+            self._move(GradState.UNSCALED if opened.had_grads or self.has_new_grads() else opened.resumes)
+            return
         if not opened.continues_delayed:
             for p, old in zip(self.params.direct, opened.stash):
                 p.grad = old
@@ -288,12 +324,16 @@ class GradLifecycle:
                 link.model_param.grad = None
         self._move(opened.resumes)
 
-    def end_pass(self, scale: PassScale, found_inf: Tensor, delay_unscale: bool) -> bool:
+    def end_pass(self, scale: Optional[PassScale], found_inf: Optional[Tensor], delay_unscale: bool) -> bool:
         """``scale_loss`` exit: check, unscale and add up the new gradients; returns whether ``found_inf`` covers them.
 
         ``found_inf`` is the pass's flag: the caller accounts it (``AmpSession.account``) when this returns True.
+        A pass begun in place needs neither it nor ``scale``.
         """
         opened, self._open_pass = self._open_pass, None
+        if opened.in_place:
+            self._move(GradState.UNSCALED)
+            return False
         stash = [None] * len(self.params.direct) if opened.continues_delayed else opened.stash
         has_old = any(s is not None for s in stash) or any(link.master.grad is not None for link in self.params.links)
         if delay_unscale and not has_old:
@@ -317,9 +357,17 @@ class GradLifecycle:
         self._move(GradState.UNSCALED)
         return scale.checked
 
-    def note_found_inf(self, found_inf: Tensor) -> None:
-        """Add an accounted pass's flag to the next step's (no host sync)."""
-        if self.step_found_inf is None:
+    def note_found_inf(self, found_inf: Tensor, overflowed: Optional[bool] = None) -> None:
+        """Add an accounted pass's flag to the next step's (no host sync).
+
+        ``overflowed``: the flag's value when the host knows it already (a CPU flag). A clean
+        pass then adds nothing, and needs no copy: the shared zero flag stands for it.
+        """
+        if overflowed is False:
+            if self.step_found_inf is None:
+                self.step_found_inf = self._clean_flag
+            return
+        if self.step_found_inf is None or self.step_found_inf is self._clean_flag:
             self.step_found_inf = found_inf.clone()  # private: the scaler reuses its flag buffer
         else:
             torch.maximum(self.step_found_inf, found_inf.to(self.step_found_inf.device), out=self.step_found_inf)
@@ -462,8 +510,12 @@ class GradLifecycle:
                     self.params.model_param_of[master].grad = grad
                 if not self.kept_scale.unit:
                     inv_scale = self.kept_scale.inv_scale
-            step_kwargs = {"amp": AmpStepArgs(found_inf, inv_scale, self.params.model_param_of)}
-        elif found_inf is not None and bool(found_inf.item()):  # the one host sync of non-fused optimizers
+            if found_inf is None and inv_scale is None:
+                step_kwargs = {"amp": self._unscaled_step_args}
+            else:
+                step_kwargs = {"amp": AmpStepArgs(found_inf, inv_scale, self.params.model_param_of)}
+        elif found_inf is not None and found_inf is not self._clean_flag and bool(found_inf.item()):
+            # (the one host sync of non-fused optimizers)
             # torch optimizers skip parameters without a gradient: weights, moments, step counts untouched.
             for p in self.params.ordered:
                 if p.grad is not None:

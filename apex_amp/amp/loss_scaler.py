@@ -122,10 +122,14 @@ class LossScaler:
         """
         return self._found_inf.zero_()
 
-    def update(self, found_inf: Tensor) -> None:
-        """Account for one backward pass whose gradients set ``found_inf`` (no host sync on CUDA)."""
+    def update(self, found_inf: Tensor) -> Optional[bool]:
+        """Account for one backward pass whose gradients set ``found_inf`` (no host sync on CUDA).
+
+        Returns whether the pass overflowed when that is known on the host for free (a CPU
+        flag), else None.
+        """
         if not self.check_finite:
-            return
+            return None
         self.scale_epoch += 1
         # On CPU the flag is in host memory already: reading it costs no sync, and spares the
         # int64 conversion and the log's concatenation (see benchmarks/README.md).
@@ -151,8 +155,9 @@ class LossScaler:
             )
         if host_flag is None:
             self.log.record(found_inf, self.scale, static=not self.dynamic)
-        else:
-            self.log.record_on_host(bool(host_flag), self.scale, static=not self.dynamic)
+            return None
+        self.log.record_on_host(bool(host_flag), self.scale, static=not self.dynamic)
+        return bool(host_flag)
 
     def loss_scale(self) -> float:
         """The current scale as a Python float.

@@ -220,7 +220,7 @@ class OptimizerParams:
         self.direct: list[Tensor] = []  # optimizer params updated through their own .grad
         self.ordered: list[Tensor] = []  # every optimizer param (masters and direct), in param-group order
         self._num_groups = 0
-        self._make_masters = make_masters
+        self.makes_masters = make_masters
         self._on_new_links = on_new_links
         self._add_links(links)
         self._refresh(optimizer)
@@ -241,7 +241,7 @@ class OptimizerParams:
         if len(optimizer.param_groups) == self._num_groups:
             return 0
         new_links = (attach_masters(optimizer, first_group=self._num_groups, fp32_value_of=self._fp32_value_of)
-                     if self._make_masters else [])
+                     if self.makes_masters else [])
         self._add_links(new_links)
         self._refresh(optimizer)
         return len(new_links)

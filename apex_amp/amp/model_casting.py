@@ -14,6 +14,7 @@ its identity and type and can be wrapped (DDP, torch.compile) afterwards:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Protocol
 
 import torch
@@ -60,10 +61,16 @@ def cast_floating_tensors(value: Any, dtype: torch.dtype) -> Any:
     apex's protocol for custom batch types: any other object with a ``to``
     method (not a module) is replaced by ``obj.to(dtype)``, so a batch class
     casts its own floating fields. Non-floating tensors and other objects are
-    returned as they are.
+    returned as they are (the same object when nothing in it changed).
     """
-    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t,
-                       on_object=lambda obj: _cast_custom_batch(obj, dtype))
+    if isinstance(value, Tensor):  # the common single-tensor argument: no walk
+        return _cast_tensor(value, dtype)
+    return map_tensors(value, functools.partial(_cast_tensor, dtype=dtype),
+                       on_object=functools.partial(_cast_custom_batch, dtype=dtype))
+
+
+def _cast_tensor(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    return tensor.to(dtype) if tensor.dtype != dtype and tensor.is_floating_point() else tensor
 
 
 def _cast_custom_batch(obj: Any, dtype: torch.dtype) -> Any:
@@ -81,7 +88,8 @@ def add_cast_hooks(
     if input_dtype is not None:
 
         def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            return cast_floating_tensors(args, input_dtype), cast_floating_tensors(kwargs, input_dtype)
+            new_kwargs = cast_floating_tensors(kwargs, input_dtype) if kwargs else kwargs
+            return cast_floating_tensors(args, input_dtype), new_kwargs
 
         handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
     if output_dtype is not None:

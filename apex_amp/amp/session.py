@@ -124,9 +124,9 @@ class AmpSession:
         report is recorded when the user asked for them.
         """
         distributed.agree_on_overflow(record.found_inf, self.overflow_group)
-        self.scalers[record.loss_id].update(record.found_inf)
+        overflowed = self.scalers[record.loss_id].update(record.found_inf)
         for lifecycle in record.lifecycles:
-            lifecycle.note_found_inf(record.found_inf)
+            lifecycle.note_found_inf(record.found_inf, overflowed)
         if self.overflow_recorder is not None:
             self.overflow_recorder.record(record.found_inf, record.loss_id, record.inv_scale, record.lifecycles)
 

@@ -18,26 +18,42 @@ same thing about a wrong one.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from .gradients import GradLifecycle
 from .session import AmpSession
 
 __all__ = [
-    "register", "session_for", "latest_session", "latest", "find_session", "unwrap", "as_optimizer_list",
+    "register", "resolve", "Resolved", "session_for", "latest_session", "latest", "find_session", "unwrap", "as_optimizer_list",
     "one_optimizer", "was_initialized",
 ]
 
 _SESSION_OF_OPTIMIZER: "weakref.WeakKeyDictionary[torch.optim.Optimizer, AmpSession]" = weakref.WeakKeyDictionary()
 _INITIALIZED_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _latest_session: Optional[AmpSession] = None
+# scale_loss resolves the same optimizer argument every step: its resolution, by the argument's
+# identity (held weakly; lists cannot be, and are resolved every time). Cleared by register().
+_RESOLVED: dict[int, tuple["weakref.ref[Any]", "Resolved"]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """An optimizer argument of an amp call: its session, the torch optimizers and their lifecycles."""
+
+    session: AmpSession
+    optimizers: list[torch.optim.Optimizer]
+    lifecycles: list[GradLifecycle]
 
 
 def register(session: AmpSession, optimizers: Iterable[torch.optim.Optimizer], models: Iterable[torch.nn.Module]) -> None:
     """Make ``session`` the session of ``optimizers`` and the latest one (``initialize`` only)."""
     global _latest_session
+    _RESOLVED.clear()
     for optimizer in optimizers:
         _SESSION_OF_OPTIMIZER[optimizer] = session
     if session.enabled:
@@ -133,3 +149,28 @@ def find_session(optimizers: Sequence[torch.optim.Optimizer], caller: str) -> Am
     if not sessions:
         raise ValueError(f"amp.{caller} needs at least one optimizer, got an empty list")
     return sessions[0]
+
+
+def resolve(optimizers: Any, caller: str) -> Resolved:
+    """The session, optimizers and lifecycles of ``optimizers`` (``find_session``), remembered per argument."""
+    key = id(optimizers)
+    entry = _RESOLVED.get(key)
+    if entry is not None and entry[0]() is optimizers:
+        return entry[1]
+    optimizer_list = as_optimizer_list(optimizers)
+    session = find_session(optimizer_list, caller)
+    lifecycles = [session.lifecycle_of(optimizer) for optimizer in optimizer_list] if session.enabled else []
+    resolved = Resolved(session, optimizer_list, lifecycles)
+    try:
+        ref = weakref.ref(optimizers, functools.partial(_forget_resolved, _RESOLVED, key))
+    except TypeError:  # a list or tuple of optimizers
+        return resolved
+    _RESOLVED[key] = (ref, resolved)
+    return resolved
+
+
+def _forget_resolved(resolved: dict, key: int, dead: "weakref.ref[Any]") -> None:
+    # Holds the dict itself: at interpreter exit the module's globals may be gone when this runs.
+    entry = resolved.get(key)
+    if entry is not None and entry[0] is dead:
+        del resolved[key]

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from .._dtensor import is_dtensor, local_tensor
 from .._dtypes import HALF_DTYPES
+from ._batch_plan import BatchPlan
 
 __all__ = ["AmpStepArgs", "FusedBatch", "FusedOptimizer"]
 
@@ -119,6 +120,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         # cannot reach them; it follows these two to clear them as zero_grad would have.
         self.grad_clears = 0
         self.last_clear_set_to_none = True
+        self._batch_plans: dict[int, BatchPlan] = {}  # id(param group) -> its batches (a cache)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's keeps defaults, state and param_groups only; a copy must keep our settings too
+        # (set_grad_none, master_weights, adam_w_mode, ...), but not the hooks or the plan cache.
+        state = {key: value for key, value in vars(self).items()
+                 if not key.startswith("_optimizer_") and key != "_batch_plans"}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._batch_plans = {}
 
     # ---- what a subclass writes ---------------------------------------------------------------
     def _fused_step(self, group: dict[str, Any], batch: FusedBatch, amp: AmpStepArgs) -> None:
@@ -200,6 +213,55 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # ---- batching --------------------------------------------------------------------------------
     def _batches(self, group: dict[str, Any], amp: AmpStepArgs) -> list[FusedBatch]:
+        if torch.compiler.is_compiling():
+            return self._build_batches(group, amp)  # traced once into the graph, guarded by dynamo
+        params, keys, settings = group["params"], self._plan_keys(group), self._plan_settings()
+        plan = self._batch_plans.get(id(group))
+        if plan is not None and plan.group is group and plan.state_keys == keys and plan.settings == settings:
+            grads = plan.grads(params, amp.model_params)
+            if grads is not None and BatchPlan.signature(self.state, params, keys) == plan.state_ids:
+                return plan.fill(grads)
+        batches = self._build_batches(group, amp)
+        self._remember_plan(group, keys, settings, batches, amp)
+        return batches
+
+    def _plan_settings(self) -> tuple[Any, ...]:
+        """What besides the state decides the batches (a subclass's setting read by every step)."""
+        return ()
+
+    def _plan_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        # The state a group's batches hold: a plan is stale once any of these tensors is replaced.
+        return (*self._state_keys(group), *(("step",) if self.COUNTS_STEPS else ()),
+                *(("master_param",) if self.master_weights else ()))
+
+    def _remember_plan(self, group: dict[str, Any], keys: tuple[str, ...], settings: tuple[Any, ...],
+                       batches: list[FusedBatch], amp: AmpStepArgs) -> None:
+        params = group["params"]
+        self._batch_plans.pop(id(group), None)
+        if any(is_dtensor(p) for p in params):
+            return  # FSDP2 may hand out other local shards: built every step
+        position = {id(p): i for i, p in enumerate(params)}
+        model_of = [amp.model_params.get(p) for p in params] if amp.model_params else None
+        grads = [p.grad for p in params]
+        if model_of is not None:
+            grads = [g if g is not None or m is None else m.grad for g, m in zip(grads, model_of)]
+        steps = [self.state[batch.owners[0]]["step"] if self.COUNTS_STEPS else None for batch in batches]
+        self._batch_plans[id(group)] = BatchPlan(
+            group=group,
+            batches=[dataclasses.replace(batch, new_state=[False] * len(batch.owners)) for batch in batches],
+            grad_positions=[[position[id(p)] for p in batch.owners] for batch in batches],
+            steps=steps,
+            fresh_step=[step is not None and batch.step is not step for batch, step in zip(batches, steps)],
+            param_ids=[id(p) for p in params],
+            model_of=model_of,
+            model_params_key=BatchPlan.mapping_key(amp.model_params),
+            has_grad=[g is not None for g in grads],
+            state_keys=keys,
+            state_ids=BatchPlan.signature(self.state, params, keys),
+            settings=settings,
+        )
+
+    def _build_batches(self, group: dict[str, Any], amp: AmpStepArgs) -> list[FusedBatch]:
         # (device, writes a model copy) -> one batch, in param order.
         batches: dict[tuple[torch.device, bool], FusedBatch] = {}
         keys = self._state_keys(group)
@@ -302,6 +364,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if "master_param" in state_dict["state"].get(index, {})
         }
         super().load_state_dict(state_dict)
+        self._batch_plans = {}
         for group in self.param_groups:  # a torch.optim state may lack some of our group keys
             for key in self._group_keys:
                 group.setdefault(key, self.defaults[key])
