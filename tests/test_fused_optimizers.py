@@ -198,6 +198,54 @@ def test_grad_scaler_drives_the_step_and_skips_an_overflow(kind):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("kind", list(FAMILY))
+def test_grad_scaler_leaves_the_gradients_unscaled_like_torchs_fused_optimizers(kind):
+    # A grad-norm logger after scaler.step reads true gradients with torch's fused optimizers
+    # (and apex's); an overflowed step leaves them as they were.
+    model = make_model()
+    optimizer = FAMILY[kind](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+    (x, y), _ = batches(2)
+    for factor in (1.0, OVERFLOW):
+        optimizer.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(model(x), y) * factor).backward()
+        scaled = [p.grad.clone() for p in model.parameters()]
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        for p, grad in zip(model.parameters(), scaled):
+            want = grad if factor == OVERFLOW else grad * (1.0 / scale)
+            torch.testing.assert_close(p.grad, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_fused_sgd_takes_the_learning_rate_of_each_param_group():
+    # apex's FusedSGD (and torch's SGD) need no lr= when every group has its own.
+    model = make_model()
+    params = list(model.parameters())
+    optimizer = FusedSGD([{"params": params[:2], "lr": 0.1}, {"params": params[2:], "lr": 0.01}], momentum=0.9)
+    reference = torch.optim.SGD([{"params": params[:2], "lr": 0.1}, {"params": params[2:], "lr": 0.01}],
+                                momentum=0.9)
+    assert [g["lr"] for g in optimizer.param_groups] == [g["lr"] for g in reference.param_groups]
+    with pytest.raises(ValueError, match="didn't specify a value of required optimization parameter lr"):
+        FusedSGD([{"params": params[:2], "lr": 0.1}, {"params": params[2:]}])
+
+
+def test_mixed_precision_lamb_reads_reduced_precision_dtype_at_the_step():
+    # apex's own test sets it after construction; the step must then keep fp32 masters.
+    model = make_model().to(torch.float16)
+    optimizer = FusedMixedPrecisionLamb(model.parameters(), lr=1e-2)
+    optimizer.reduced_precision_dtype = torch.float16
+    x, y = batches(1)[0]
+    nn.functional.cross_entropy(model(x.half()).float(), y).backward()
+    optimizer.step()
+    state = optimizer.state[next(model.parameters())]
+    assert state["master_param"].dtype == state["exp_avg"].dtype == torch.float32
+    assert torch.equal(next(model.parameters()), state["master_param"].to(torch.float16))
+    optimizer.reduced_precision_dtype = torch.float32
+    with pytest.raises(ValueError, match="reduced_precision_dtype must be torch.float16, torch.bfloat16 or None"):
+        optimizer.step()
+
+
 def test_issue_reproducer_fused_adam_with_fp16_params_under_grad_scaler():
     # apex's testGradScaler: capturable, master weights, fp16 params; the scaler does not have to unscale.
     p = nn.Parameter(torch.ones(4, dtype=torch.float16))

@@ -249,14 +249,23 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         use_nvlamb: bool = False,
         reduced_precision_dtype: Optional[torch.dtype] = None,
     ) -> None:
-        if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"reduced_precision_dtype must be torch.float16, torch.bfloat16 or None, got {reduced_precision_dtype}")
+        _check_reduced_precision_dtype(reduced_precision_dtype)
         super().__init__(
             params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
             amsgrad=amsgrad, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging, set_grad_none=True,
-            max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb,
-            master_weights=reduced_precision_dtype is not None,
-            master_dtypes=() if reduced_precision_dtype is None else (reduced_precision_dtype,))
+            max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb, master_weights=True)
+        # Read by every step, as apex's did: code that sets it after construction gets its masters.
         self.reduced_precision_dtype = reduced_precision_dtype
         self.initial_step = float(step)
+
+    def _plan_settings(self) -> tuple[Any, ...]:
+        _check_reduced_precision_dtype(self.reduced_precision_dtype)
+        return (self.reduced_precision_dtype,)
+
+    def _keeps_master(self, param: Tensor) -> bool:
+        return self.reduced_precision_dtype is not None and param.dtype == self.reduced_precision_dtype
+
+
+def _check_reduced_precision_dtype(dtype: Optional[torch.dtype]) -> None:
+    if dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"reduced_precision_dtype must be torch.float16, torch.bfloat16 or None, got {dtype}")

@@ -147,6 +147,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         return {key: torch.zeros_like(target, memory_format=torch.preserve_format)
                 for key in self._state_keys(group)}
 
+    def _keeps_master(self, param: Tensor) -> bool:
+        """Whether ``param`` is updated through an fp32 master in its state (``master_weights``)."""
+        return self.master_weights and param.dtype in self.master_dtypes
+
     def _before_groups(self, batches: list[tuple[dict[str, Any], FusedBatch]], amp: AmpStepArgs) -> None:
         """Called once per step with every batch, before the first op call (LAMB's global norm)."""
 
@@ -170,6 +174,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             apex_arguments: ``grad_scaler=`` (apex's way of passing a ``torch.amp.GradScaler``);
                 apex's old ``grads``, ``output_params``, ``scale`` and ``grad_norms`` raise, as in apex.
         """
+        from_scaler = amp is None and (apex_arguments.get("grad_scaler") is not None
+                                       or getattr(self, "found_inf", None) is not None)
         amp = self._resolve_scaling(amp, apex_arguments)
         loss = None
         if closure is not None:
@@ -179,6 +185,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._before_groups(batches, amp)
         for group, batch in batches:
             self._fused_step(group, batch, amp)
+        if from_scaler and amp.inv_scale is not None:
+            _leave_grads_unscaled(batches, amp)
         return loss
 
     def _resolve_scaling(self, amp: Optional[AmpStepArgs], apex_arguments: dict[str, Any]) -> AmpStepArgs:
@@ -282,7 +290,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     "or torch.optim.SGD for sparse parameters (e.g. nn.Embedding(sparse=True))")
             state = self.state[p]
             target = p
-            if model_param is None and self.master_weights and p.dtype in self.master_dtypes:
+            if model_param is None and self._keeps_master(p):
                 if "master_param" not in state:
                     state["master_param"] = p.detach().to(torch.float32)
                 target, model_param = state["master_param"], p
@@ -379,6 +387,19 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self.state[param][key] = value.to(param.device)
             if param in self.state:
                 _lay_out_like(self.state[param], param, fp32_keys)
+
+
+def _leave_grads_unscaled(batches: list[tuple[dict[str, Any], FusedBatch]], amp: AmpStepArgs) -> None:
+    # After torch.amp.GradScaler's step, torch's fused optimizers (and apex's) leave the gradients
+    # unscaled for whoever reads them next (a grad-norm logger); an overflowed step leaves them as
+    # they were. Ours unscale as they read without writing back: this pass does it.
+    for _, batch in batches:
+        if not batch.grads:
+            continue
+        factor = amp.inv_scale.to(batch.device).reshape(())
+        if amp.found_inf is not None:
+            factor = torch.where(amp.found_inf.to(batch.device).reshape(()) > 0, torch.ones_like(factor), factor)
+        torch._foreach_mul_(batch.grads, factor)
 
 
 # fp32 params without a model copy join the batch of those with one (typically the fp32

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import required
 
 from .. import _checks as check
 from .. import ops
@@ -101,7 +102,7 @@ class FusedSGD(FusedOptimizer):
 
     Args:
         params: parameters or param groups.
-        lr: learning rate (required).
+        lr: learning rate (required unless every param group has its own ``lr``).
         momentum: momentum factor.
         dampening: dampening of the momentum.
         weight_decay: weight decay (L2 penalty), added to the gradient.
@@ -120,7 +121,7 @@ class FusedSGD(FusedOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: Optional[float] = None,
+        lr: Any = required,
         momentum: float = 0.0,
         dampening: float = 0.0,
         weight_decay: float = 0.0,
@@ -129,9 +130,11 @@ class FusedSGD(FusedOptimizer):
         materialize_master_grads: bool = True,
         set_grad_none: bool = False,
     ) -> None:
+        # apex's and torch's convention: without lr= every param group must give its own
+        # (torch's add_param_group names a group that does not).
         if lr is None:
-            raise TypeError("FusedSGD needs a learning rate: FusedSGD(params, lr=...)")
-        if lr < 0.0:
+            raise TypeError("FusedSGD needs a learning rate: FusedSGD(params, lr=...), or lr in every param group")
+        if lr is not required and lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}; it must be >= 0")
         if momentum < 0.0:
             raise ValueError(f"Invalid momentum value: {momentum}; it must be >= 0")
