@@ -38,6 +38,11 @@ def _valid_scale(scale: Any) -> bool:
     return not isinstance(scale, bool) and isinstance(scale, (int, float)) and SMALLEST_SCALE <= scale <= LARGEST_SCALE
 
 
+def _host_value(flag: Tensor) -> float:
+    value = flag.tolist()
+    return value[0] if isinstance(value, list) else value
+
+
 class LossScaler:
     """The scale of one loss, its growth/hysteresis trackers and its overflow log.
 
@@ -133,8 +138,9 @@ class LossScaler:
         self.scale_epoch += 1
         # On CPU the flag is in host memory already: reading it costs no sync, and spares the
         # int64 conversion and the log's concatenation (see benchmarks/README.md).
-        # Read with tolist(), as the log always read CPU values: a plain copy, no dispatched op.
-        host_flag = found_inf.reshape(1).tolist()[0] if found_inf.device.type == "cpu" else None
+        # Read with tolist(), as the log always read CPU values: a plain copy, no dispatched op
+        # (not even a reshape: a 0-dim flag gives a number, a 1-element one a list).
+        host_flag = _host_value(found_inf) if found_inf.device.type == "cpu" else None
         if host_flag is None:
             self.overflows.add_(found_inf.to(torch.int64))
         elif host_flag:
