@@ -17,6 +17,7 @@ O2 + FusedAdam <= 0.75x torch.amp, on the tiny model, fp16 and bf16.
 
 Run (from the repository root, in the venv where apex_amp is installed):
     python benchmarks/bench_overhead.py                          # bf16, both models, ~2 min idle
+    python benchmarks/bench_overhead.py --models tiny --phases   # and where each step's time goes
     python benchmarks/bench_overhead.py --half-dtype float16 --models tiny
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -81,36 +83,76 @@ def build_step(config: str, model_name: str, args: dict) -> tuple[Callable[[], N
     if kind.startswith("apex"):
         model, optimizer = amp.initialize(model, optimizer, opt_level=kind.split()[1], half_dtype=half, verbosity=0)
 
-        def step() -> None:
+        def step(stamp: Callable[[str], None] = _no_stamp) -> None:
             optimizer.zero_grad(set_to_none=True)
+            stamp("zero_grad")
             loss = F.cross_entropy(model(x), y)
+            stamp("forward")
             with amp.scale_loss(loss, optimizer) as scaled_loss:
+                stamp("scale_loss entry")
                 scaled_loss.backward()
+                stamp("backward")
+            stamp("scale_loss exit")
             optimizer.step()
+            stamp("step")
 
         return step, [model, optimizer]
     if kind == "fp32":
-        def step() -> None:
+        def step(stamp: Callable[[str], None] = _no_stamp) -> None:
             optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
+            stamp("zero_grad")
+            loss = F.cross_entropy(model(x), y)
+            stamp("forward")
+            loss.backward()
+            stamp("backward")
             optimizer.step()
+            stamp("step")
 
         return step, [model, optimizer]
     scaler = torch.amp.GradScaler("cpu") if half == torch.float16 else None
 
-    def step() -> None:
+    def step(stamp: Callable[[str], None] = _no_stamp) -> None:
         optimizer.zero_grad(set_to_none=True)
+        stamp("zero_grad")
         with torch.autocast("cpu", dtype=half):
             loss = F.cross_entropy(model(x), y)
+        stamp("forward")
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        stamp("backward")
         if scaler is None:
-            loss.backward()
             optimizer.step()
         else:
-            scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
+        stamp("step")
 
     return step, [model, optimizer]
+
+
+def _no_stamp(phase: str) -> None:
+    pass
+
+
+PHASES = ("zero_grad", "forward", "scale_loss entry", "backward", "scale_loss exit", "step")
+
+
+def measure(step: Callable[..., None], objects: list, steps: int = 2000) -> dict[str, Any]:
+    """Run in the worker (``--phases``): the median time of each phase of a step, in seconds.
+
+    A phase ends at its stamp; ``time.perf_counter`` between stamps of one step, so the phases
+    add up to the step. Medians over ``steps`` steps run back to back (after the timed rounds).
+    """
+    durations: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    for _ in range(steps):
+        last = [time.perf_counter()]
+
+        def stamp(phase: str) -> None:
+            now = time.perf_counter()
+            durations[phase].append(now - last[0])
+            last[0] = now
+
+        step(stamp)
+    return {"phases": {phase: statistics.median(values) for phase, values in durations.items() if values}}
 
 
 def render(model_name: str, results: dict[str, dict[str, Any]]) -> list[str]:
@@ -123,6 +165,15 @@ def render(model_name: str, results: dict[str, dict[str, Any]]) -> list[str]:
         r = results[config]
         rows.append(f"| {model_name} | {config} | {cpu[config] * 1e3:.3f} | {r['cpu_timing'].iqr * 1e3:.3f} "
                     f"| {r['timing'].median * 1e3:.3f} | {versus_fp32:.2f} | {versus_amp} |")
+    return rows
+
+
+def render_phases(model_name: str, results: dict[str, dict[str, Any]]) -> list[str]:
+    rows = []
+    for config in CONFIGS:
+        phases = results[config]["phases"]
+        cells = [f"{phases[p] * 1e6:.1f}" if p in phases else "" for p in PHASES]
+        rows.append(f"| {model_name} | {config} | " + " | ".join(cells) + f" | {sum(phases.values()) * 1e6:.1f} |")
     return rows
 
 
@@ -146,6 +197,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=10, help="interleaving rounds (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=400, help="timed steps per configuration (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps per worker first (default: %(default)s)")
+    parser.add_argument("--phases", action="store_true",
+                        help="then time each phase of a step (zero_grad, forward, scale_loss entry, backward, "
+                             "scale_loss exit, step) in every worker: 2000 more steps each")
     parser.add_argument("--json", default=None, help="also write every median and the machine report here")
     args = parser.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -169,18 +223,25 @@ def main(argv=None) -> int:
     settings = {k: v for k, v in vars(args).items() if k != "json"}
     rows = ["| model | configuration | CPU ms | IQR ms | wall ms | / fp32 (same optimizer) | / torch.amp |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
+    phase_rows = ["| model | configuration | " + " | ".join(f"{p} us" for p in PHASES) + " | sum us |",
+                  "| --- | --- | " + " | ".join("---" for _ in PHASES) + " | --- |"]
     verdicts, all_results = [], {}
     for model_name in args.models:
         results = run_configurations("bench_overhead", CONFIGS, model_name, settings, reps=args.reps,
-                                     rounds=args.rounds)
+                                     rounds=args.rounds, measure=args.phases)
         all_results[model_name] = results
         rows += render(model_name, results)
+        if args.phases:
+            phase_rows += render_phases(model_name, results)
         if model_name == "tiny":
             verdicts += targets(model_name, results)
     print()
     print("\n".join(rows))
     print("\nCPU ms: median CPU time of a step's thread; / fp32: against the plain fp32 loop with the same "
           "optimizer; / torch.amp: against autocast + (GradScaler) + Adam(fused=True) at the same half dtype.")
+    if args.phases:
+        print("\nphases (median wall us of each, 2000 steps back to back per worker after the rounds):\n")
+        print("\n".join(phase_rows))
     print("\ntargets (issue 20, tiny model):")
     for text, measured, met in verdicts:
         print(f"  {'MET   ' if met else 'MISSED'} {text}: {measured}")
@@ -188,7 +249,8 @@ def main(argv=None) -> int:
     print(f"\nload average at end: {load_end}; run took {time.perf_counter() - started:.0f} s")
     if args.json:
         payload = {"machine": info, "args": vars(args), "load_average_end": load_end,
-                   "results": {m: {c: {"cpu": r["cpu_timing"].to_json(), "wall": r["timing"].to_json()}
+                   "results": {m: {c: {"cpu": r["cpu_timing"].to_json(), "wall": r["timing"].to_json(),
+                                       **({"phases": r["phases"]} if "phases" in r else {})}
                                    for c, r in res.items()} for m, res in all_results.items()},
                    "targets": [{"target": t, "measured": m, "met": ok} for t, m, ok in verdicts]}
         with open(args.json, "w") as f:
