@@ -19,6 +19,7 @@ import copy
 import io
 import logging
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -160,6 +161,20 @@ def test_plans_follow_added_and_edited_param_groups():
             optimizer.step()
         _assert_same_run(*optimizers, *models)
     assert "momentum_buffer" in optimizers[0].state[list(models[0].parameters())[0]]
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_a_plan_keeps_no_gradient_alive_after_its_step(kind):
+    # zero_grad(set_to_none=True) must free the gradients' memory, as with any torch optimizer.
+    planned_cls, _, options = OPTIMIZERS[kind]
+    model = _model()
+    optimizer = planned_cls(model.parameters(), **options)
+    for step in range(3):  # built, then reused
+        _set_grads(model, step)
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert all(ref() is None for ref in grads)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])

@@ -187,6 +187,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._fused_step(group, batch, amp)
         if from_scaler and amp.inv_scale is not None:
             _leave_grads_unscaled(batches, amp)
+        for _, batch in batches:
+            batch.grads = []  # a reused plan's batches must not keep this step's gradients alive
         return loss
 
     def _resolve_scaling(self, amp: Optional[AmpStepArgs], apex_arguments: dict[str, Any]) -> AmpStepArgs:
@@ -256,7 +258,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         steps = [self.state[batch.owners[0]]["step"] if self.COUNTS_STEPS else None for batch in batches]
         self._batch_plans[id(group)] = BatchPlan(
             group=group,
-            batches=[dataclasses.replace(batch, new_state=[False] * len(batch.owners)) for batch in batches],
+            batches=[dataclasses.replace(batch, grads=[], new_state=[False] * len(batch.owners))
+                     for batch in batches],
             grad_positions=[[position[id(p)] for p in batch.owners] for batch in batches],
             steps=steps,
             fresh_step=[step is not None and batch.step is not step for batch, step in zip(batches, steps)],
