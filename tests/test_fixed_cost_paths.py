@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import logging
 import pickle
@@ -309,3 +310,18 @@ def test_scale_loss_sees_a_new_initialize_of_the_same_optimizer():
     with amp.scale_loss(loss, optimizer) as scaled_loss:
         assert torch.equal(scaled_loss.detach(), loss.detach().float() * 64.0)
         scaled_loss.backward()
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O2"])
+def test_a_remembered_resolution_keeps_no_optimizer_or_model_alive(opt_level):
+    # Training code that builds a model and optimizer per trial must get their memory back.
+    def trial():
+        model, optimizer = _amp_setup(opt_level)
+        with amp.scale_loss(_loss(model, 1), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        return weakref.ref(model), weakref.ref(optimizer)
+
+    refs = trial()
+    gc.collect()
+    assert all(ref() is None for ref in refs)

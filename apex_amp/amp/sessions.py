@@ -29,8 +29,8 @@ from .gradients import GradLifecycle
 from .session import AmpSession
 
 __all__ = [
-    "register", "resolve", "Resolved", "session_for", "latest_session", "latest", "find_session", "unwrap", "as_optimizer_list",
-    "one_optimizer", "was_initialized",
+    "register", "resolve", "Resolved", "session_for", "latest_session", "latest", "find_session", "unwrap",
+    "as_optimizer_list", "one_optimizer", "was_initialized",
 ]
 
 _SESSION_OF_OPTIMIZER: "weakref.WeakKeyDictionary[torch.optim.Optimizer, AmpSession]" = weakref.WeakKeyDictionary()
@@ -43,10 +43,13 @@ _RESOLVED: dict[int, tuple["weakref.ref[Any]", "Resolved"]] = {}
 
 @dataclasses.dataclass(frozen=True)
 class Resolved:
-    """An optimizer argument of an amp call: its session, the torch optimizers and their lifecycles."""
+    """An optimizer argument of an amp call: its session and its optimizers' lifecycles.
+
+    Not the optimizers themselves: remembered, they would outlive the user's last reference
+    (a lifecycle holds its optimizer weakly).
+    """
 
     session: AmpSession
-    optimizers: list[torch.optim.Optimizer]
     lifecycles: list[GradLifecycle]
 
 
@@ -152,7 +155,7 @@ def find_session(optimizers: Sequence[torch.optim.Optimizer], caller: str) -> Am
 
 
 def resolve(optimizers: Any, caller: str) -> Resolved:
-    """The session, optimizers and lifecycles of ``optimizers`` (``find_session``), remembered per argument."""
+    """The session and lifecycles of ``optimizers`` (``find_session``), remembered per argument."""
     key = id(optimizers)
     entry = _RESOLVED.get(key)
     if entry is not None and entry[0]() is optimizers:
@@ -160,7 +163,7 @@ def resolve(optimizers: Any, caller: str) -> Resolved:
     optimizer_list = as_optimizer_list(optimizers)
     session = find_session(optimizer_list, caller)
     lifecycles = [session.lifecycle_of(optimizer) for optimizer in optimizer_list] if session.enabled else []
-    resolved = Resolved(session, optimizer_list, lifecycles)
+    resolved = Resolved(session, lifecycles)
     try:
         ref = weakref.ref(optimizers, functools.partial(_forget_resolved, _RESOLVED, key))
     except TypeError:  # a list or tuple of optimizers
