@@ -59,6 +59,9 @@ class Row:
     bound_multiple: Optional[float]
     # apex_amp rows of adam/o2: seconds per element of the same kernel on data in cache (its arithmetic)
     compute_per_element: Optional[float] = None
+    # the bandwidth of the patterns timed in this row's own rounds (same moments of a shared machine)
+    rounds_bandwidth: Optional[Bandwidth] = None
+    rounds_bound_multiple: Optional[float] = None
 
     @property
     def compute_multiple(self) -> Optional[float]:
@@ -78,7 +81,10 @@ class Row:
         """This row with its bound multiple against ``bandwidth``."""
         bound = (bandwidth.bound_multiple(self.timing.median, self.elements, self.case.bytes_per_element,
                                           read_only=self.case.read_only) if self.timing else None)
-        return dataclasses.replace(self, bound_multiple=bound)
+        in_rounds = (self.rounds_bandwidth.bound_multiple(self.timing.median, self.elements,
+                                                          self.case.bytes_per_element, read_only=self.case.read_only)
+                     if self.timing and self.rounds_bandwidth else None)
+        return dataclasses.replace(self, bound_multiple=bound, rounds_bound_multiple=in_rounds)
 
     def to_json(self) -> dict:
         return {"section": self.section, "size": self.size, "dtype": self.dtype, "elements": self.elements,
@@ -86,7 +92,8 @@ class Row:
                 "read_only": self.case.read_only, "note": self.case.note,
                 "timing": self.timing.to_json() if self.timing else None,
                 "ns_per_element": self.timing.ns_per(self.elements) if self.timing else None,
-                "bound_multiple": self.bound_multiple, "peer_over_apex": self.ratios,
+                "bound_multiple": self.bound_multiple, "rounds_bound_multiple": self.rounds_bound_multiple,
+                "peer_over_apex": self.ratios,
                 "compute_ns_per_element": self.compute_per_element * 1e9 if self.compute_per_element else None,
                 "compute_multiple": self.compute_multiple, "limit": self.limit}
 
@@ -162,7 +169,7 @@ def run_section(section, ops, sizes, args, probes, deepspeed) -> tuple[list[Row]
                           for name in case.compare_with if timing and name in timings}
                 # The row keeps what the report needs, not the call: its data is freed before the next set-up.
                 rows.append(Row(section, label, dtype, elements, dataclasses.replace(case, fn=None), timing, ratios,
-                                None, compute if case.impl.startswith("apex_amp") else None))
+                                None, compute if case.impl.startswith("apex_amp") else None, bandwidths[-1]))
             del cases, fns, timings
     return rows, bandwidths
 
@@ -173,7 +180,7 @@ def format_ratio(ratio: float) -> str:
 
 def render_rows(rows: list[Row]) -> str:
     header = ["size", "dtype", "implementation", "B/el", "median ms", "IQR ms", "ns/el", "GB/s", "x bound",
-              "x compute", "limit", "apex speedup", "note"]
+              "x bound (rounds)", "x compute", "limit", "apex speedup", "note"]
     table = []
     for row in rows:
         t = row.timing
@@ -185,6 +192,7 @@ def render_rows(rows: list[Row]) -> str:
                       f"{t.ns_per(row.elements):.3f}" if t else "-",
                       f"{row.case.bytes_per_element * row.elements / t.median / 1e9:.1f}" if t else "-",
                       f"{row.bound_multiple:.2f}" if t else "-",
+                      f"{row.rounds_bound_multiple:.2f}" if row.rounds_bound_multiple else "-",
                       f"{row.compute_multiple:.2f}" if row.compute_multiple else "-", row.limit or "-",
                       speedup, row.case.note])
     return format_table(header, table)
@@ -326,7 +334,8 @@ def main(argv=None) -> int:
     print(f"\n(d) streaming bandwidth, {args.bandwidth_mb} MiB fp32 buffers, {args.threads} threads; the bound "
           "is the best pattern (a copy's store first reads its line: write-allocate, not counted):\n"
           + bandwidth.describe())
-    print("x bound = median / (bytes per element x elements / bandwidth); x compute = median / (elements x the "
+    print("x bound = median / (bytes per element x elements / bandwidth), the best bandwidth of the run; x bound "
+          "(rounds) = the same against the bandwidth measured in the row's own timing rounds; x compute = median / (elements x the "
           "same apex_amp kernel's time per element on in-cache data, one thread, / threads); limit = the larger of the two bounds; "
           "apex speedup = peer median / apex_amp median (> 1: apex_amp faster)")
 
