@@ -267,8 +267,8 @@ def in_cache_calls(ops, section, dtype, gen) -> tuple[Callable[[], object], Call
 
     The op refuses a list that names one tensor twice, and below 64K elements it runs on
     the calling thread alone (csrc/cpu/list_parallel.h), so the bound is taken on one
-    thread: two lists of one 8K- and one 24K-element set of tensors (at most 0.7 MB at
-    30 B/el: in a core's L2), each call made CALLS_PER_SAMPLE times per sample. The
+    thread: two lists of one 4K- and one 28K-element set of tensors (at most 0.86 MB at
+    30 B/el: in a core's 1 MB L2), each call made CALLS_PER_SAMPLE times per sample. The
     difference of the two times over the difference of their elements is the kernel's
     time per element without its fixed cost per call (Python, validation); divided by the
     thread count (two real cores: see benchmarks/README.md) it is the bound of the
@@ -298,11 +298,11 @@ def in_cache_calls(ops, section, dtype, gen) -> tuple[Callable[[], object], Call
                 ops.fused_adam_(*tensors, step, LR, *BETAS, EPS, WEIGHT_DECAY, True, True, inv_scale, found_inf)
         return adam if section == "adam" else o2_step
 
-    small, large = 8192, 24576
+    small, large = 4096, 28672
     return call(small), call(large), (large - small) * CALLS_PER_SAMPLE
 
 
-CALLS_PER_SAMPLE = 32
+CALLS_PER_SAMPLE = 64
 
 
 def check_cases(ops, shapes, copies, gen, dtype) -> list[Case]:

@@ -161,7 +161,8 @@ def run_section(section, ops, sizes, args, probes, deepspeed) -> tuple[list[Row]
             compute = (max(0.0, timings[IN_CACHE_LARGE].median - timings[IN_CACHE_SMALL].median) / in_cache[2]
                        / args.threads if in_cache is not None else None)
             print(f"  {section} {label} {dtype}: {copies} cold cop{'y' if copies == 1 else 'ies'}, "
-                  f"set up in {timed_at - set_up_at:.1f} s, timed in {time.perf_counter() - timed_at:.1f} s",
+                  f"set up in {timed_at - set_up_at:.1f} s, timed in {time.perf_counter() - timed_at:.1f} s"
+                  + (f", arithmetic bound {compute * 1e9:.3f} ns/el" if compute else ""),
                   file=sys.stderr, flush=True)
             for case in cases:
                 timing = timings.get(case.impl)
@@ -222,11 +223,20 @@ def evaluate_targets(rows: list[Row], bandwidth: Bandwidth) -> list[tuple[str, s
         results.append((f"{label} >= {need}x faster than {peer}",
                         f"{format_ratio(value)} (ceiling with the peer at its bound: {ceiling:.2f}x)", value >= need))
 
-    def bound(label, section, size, dtype, apex, limit):
+    def bound(label, section, size, dtype, apex, limit, in_rounds=False):
         row = by_key.get((section, size, dtype, apex))
-        if row is not None and size in ("16M", "64M"):
-            results.append((f"{label} within {limit}x of the {row.case.bytes_per_element:g} B/el bound",
-                            f"{row.bound_multiple:.2f}x", row.bound_multiple <= limit))
+        if row is None or size not in ("16M", "64M"):
+            return
+        if in_rounds and row.rounds_bound_multiple is not None:
+            # Judged at the bandwidth of the row's own rounds: on a VM whose bandwidth moves by 2x from
+            # minute to minute, the run's best can come from a moment the row never saw.
+            results.append((f"{label} within {limit}x of the {row.case.bytes_per_element:g} B/el bound at the "
+                            "bandwidth of its own rounds",
+                            f"{row.rounds_bound_multiple:.2f}x (against the run's best bandwidth: "
+                            f"{row.bound_multiple:.2f}x)", row.rounds_bound_multiple <= limit))
+            return
+        results.append((f"{label} within {limit}x of the {row.case.bytes_per_element:g} B/el bound",
+                        f"{row.bound_multiple:.2f}x", row.bound_multiple <= limit))
 
     adam, o2, check = "apex_amp fused_adam_", "apex_amp check_finite + fused_adam_", "apex_amp check_finite"
     for size in dict.fromkeys(r.size for r in rows):
@@ -246,7 +256,7 @@ def evaluate_targets(rows: list[Row], bandwidth: Bandwidth) -> list[tuple[str, s
             if size in ("16M", "64M"):
                 speedup(f"[20] {size} {dtype} O2 step", "o2", size, dtype,
                         "torch unscale + copy + AdamW(fused).step() + copy", o2, 1.5)
-                bound(f"[20] {size} {dtype} O2 step", "o2", size, dtype, o2, 1.5)
+                bound(f"[20] {size} {dtype} O2 step", "o2", size, dtype, o2, 1.5, in_rounds=True)
             speedup(f"[20] {size} {dtype} O2 step", "o2", size, dtype,
                     "DeepSpeed: unscale + copy + DeepSpeedCPUAdam.step() + copy", o2, 1.0)
     return results

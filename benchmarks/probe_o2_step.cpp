@@ -263,6 +263,36 @@ bool check_range(const uint16_t* g, int64_t begin, int64_t end, Half kind) {
   return s != s;
 }
 
+// check_range over `streams` interleaved sub-ranges of [begin, end): the same
+// bytes, but several sequential read streams in flight per thread.
+bool check_range_streams(const uint16_t* g, int64_t begin, int64_t end, Half kind, int streams) {
+  const int64_t part = ((end - begin) / streams) / kBlock * kBlock;
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t i = 0; i + kBlock <= part; i += kBlock) {
+    for (int s = 0; s < streams; ++s) {
+      __m512 lo, hi;
+      load_half(g + begin + s * part + i, kind == Half::kNone ? Half::kFp16 : kind, lo, hi);
+      acc = _mm512_add_ps(acc, _mm512_add_ps(_mm512_mul_ps(lo, zero), _mm512_mul_ps(hi, zero)));
+    }
+  }
+  bool bad = check_range(g, begin + streams * part, end, kind);
+  const float sum = _mm512_reduce_add_ps(acc);
+  return bad || sum != sum;
+}
+
+bool run_check(const Lists& l, Half kind, int streams) {
+  bool found = false;
+#pragma omp parallel reduction(|| : found)
+  {
+    const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t chunk = (l.n / threads + kBlock - 1) / kBlock * kBlock;
+    const int64_t b = std::min(l.n, t * chunk), e = t == threads - 1 ? l.n : std::min(l.n, b + chunk);
+    found = streams == 1 ? check_range(l.g, b, e, kind) : check_range_streams(l.g, b, e, kind, streams);
+  }
+  return found;
+}
+
 // ---- how the work is split between threads ------------------------------------------
 
 enum class Split {
@@ -292,9 +322,9 @@ std::vector<int64_t> transformer_like_sizes(int64_t total) {
 }
 
 struct Plan {
+  bool check = true;  // the separate check_finite pass first (its own parallel region)
   Split split = Split::kOneRegion;
   int64_t tile = 16384;
-  bool check = true;  // the separate check_finite pass first (its own parallel region)
   std::vector<int64_t> tensor_bounds;  // for kRegionPerTensor
 };
 
@@ -551,21 +581,33 @@ int main(int argc, char** argv) {
         {"step alone, NT copy", step(with(Half::kFp16, true), no_check), 28, {}},
     };
     run_rows("[check] the separate finite check (2 B/el more read)", rows, copies, reps, n);
+    std::vector<Row> alone;
+    for (int streams : {1, 2, 4, 8}) {
+      alone.push_back({"check_finite alone, " + std::to_string(streams) + " read stream(s) per thread",
+                       [streams](const Lists& l) { run_check(l, Half::kFp16, streams); }, 2, {}});
+    }
+    run_rows("[check] check_finite alone: read streams in flight per thread", alone, copies, reps, n);
   }
   if (wanted("aliasing")) {
+    // The same rows on buffers that all start at one page offset (as torch's large
+    // tensors do) and on buffers staggered within their pages, interleaved.
     std::vector<Lists> staggered;
     for (int c = 0; c < num_copies; ++c) {
       staggered.push_back(make_lists(n, staggered_offsets));
     }
-    for (const char* which : {"same page offset", "staggered page offsets"}) {
-      std::vector<Row> rows = {
-          {std::string(which) + ": fp16, ordinary copy", step(with(Half::kFp16), no_check), 28, {}},
-          {std::string(which) + ": fp16, NT copy", step(with(Half::kFp16, true), no_check), 28, {}},
-          {std::string(which) + ": bf16 hw, NT copy", step(with(Half::kBf16Hardware, true), no_check), 28, {}},
+    const auto on_staggered = [&](Knobs k) {
+      return [k, &h, &copies, &staggered](const Lists& l) {
+        run_step(staggered[&l - copies.data()], k, Plan{false}, h);
       };
-      run_rows("[aliasing] 4 KiB aliasing between the streams", rows,
-               std::strcmp(which, "same page offset") == 0 ? copies : staggered, reps, n);
+    };
+    std::vector<Row> rows;
+    for (const auto& [label, knobs] : {std::pair{"fp16, ordinary copy", with(Half::kFp16)},
+                                       std::pair{"fp16, NT copy", with(Half::kFp16, true)},
+                                       std::pair{"fp16, no copy", with(Half::kNone)}}) {
+      rows.push_back({std::string("same page offset: ") + label, step(knobs, no_check), 28, {}});
+      rows.push_back({std::string("staggered offsets: ") + label, on_staggered(knobs), 28, {}});
     }
+    run_rows("[aliasing] 4 KiB aliasing between the streams (no check)", rows, copies, reps, n);
     for (Lists& l : staggered) {
       free_lists(l);
     }
