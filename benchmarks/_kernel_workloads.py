@@ -169,7 +169,7 @@ def apex_optimizer_case(name, ops, shapes, copies, gen) -> Case:
         return Case(name, None, 28, note=f"not run: {type(error).__name__}: {str(error)[:120]}")
 
 
-def o2_cases(ops, shapes, copies, gen, half_dtype) -> list[Case]:
+def o2_cases(ops, shapes, copies, gen, half_dtype, deepspeed=(None, "not requested")) -> list[Case]:
     def apex_call():
         model = make_list(shapes, half_dtype, "param", gen)
         masters = [t.float() for t in model]
@@ -207,12 +207,102 @@ def o2_cases(ops, shapes, copies, gen, half_dtype) -> list[Case]:
         return o2_step
 
     apex = "apex_amp check_finite + fused_adam_"
-    return [
+    cases = [
         Case(apex, rotating([apex_call() for _ in range(copies)]), 30,
              note="check 2 + Adam (p 8, g 2, m 8, v 8, model 2)"),
         Case("torch unscale + copy + AdamW(fused).step() + copy", rotating([torch_call() for _ in range(copies)]), 44,
              compare_with=(apex,), note="unscale 4 + copy 6 + Adam 28 + copy 6"),
     ]
+    cases.append(deepspeed_o2_case(shapes, copies, gen, half_dtype, deepspeed, apex))
+    return cases
+
+
+def deepspeed_o2_case(shapes, copies, gen, half_dtype, deepspeed, apex) -> Case:
+    """DeepSpeed's CPU Adam in the O2 step: its 0.19 API writes no half parameter copy.
+
+    DeepSpeedCPUAdam.step() of DeepSpeed 0.19 updates fp32 params from fp32 grads of the
+    same dtype and nothing else (the ``fp16_param_groups`` argument of older releases is
+    gone); ZeRO-Offload copies the fp32 partition into the half params afterwards and checks
+    for overflow on the host. So the peer is: torch's check and unscale of the half grads, a
+    copy into the fp32 grads, DeepSpeed's step unless found_inf (read on the host: free on
+    CPU), and a copy into the half model: the same bytes as torch's composition.
+    """
+    name, note = "DeepSpeed: unscale + copy + DeepSpeedCPUAdam.step() + copy", "as torch's row, DeepSpeed's Adam"
+    deepspeed_optimizer, reason = deepspeed
+    if deepspeed_optimizer is None:
+        return Case(name, None, 44, compare_with=(apex,), note=f"not run: {reason}")
+    groups, calls = [], []
+    for _ in range(copies):
+        model = make_list(shapes, half_dtype, "param", gen)
+        masters = [torch.nn.Parameter(t.float()) for t in model]
+        grads = make_list(shapes, half_dtype, "grad", gen)
+        master_grads = [torch.zeros_like(p) for p in masters]
+        for p, g in zip(masters, master_grads):
+            p.grad = g
+        groups.append({"params": masters})
+        calls.append((model, masters, grads, master_grads))
+    # One optimizer with a param group per data copy (see adam_cases: its constructor is slow).
+    optimizer = deepspeed_optimizer(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+    optimizer.step()
+    all_groups = list(optimizer.param_groups)
+
+    def o2_step_of(group, model, masters, grads, master_grads):
+        found_inf, next_inv_scale = torch.zeros(1), inv_scale_cycle()
+
+        def o2_step():
+            found_inf.zero_()
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, next_inv_scale())
+            torch._foreach_copy_(master_grads, grads)
+            if found_inf.item() == 0:
+                optimizer.param_groups = [group]
+                optimizer.step()
+            torch._foreach_copy_(model, masters)
+        return o2_step
+    return Case(name, rotating([o2_step_of(g, *c) for g, c in zip(all_groups, calls)]), 44, compare_with=(apex,),
+                note=note)
+
+
+def in_cache_calls(ops, section, dtype, gen) -> tuple[Callable[[], object], Callable[[], object], int]:
+    """apex_amp's kernel of ``section`` on data that stays in cache: the arithmetic bound.
+
+    The op refuses a list that names one tensor twice, and below 64K elements it runs on
+    the calling thread alone (csrc/cpu/list_parallel.h), so the bound is taken on one
+    thread: two lists of one 4K- and one 28K-element set of tensors (at most 0.86 MB at
+    30 B/el: in a core's 1 MB L2), each call made CALLS_PER_SAMPLE times per sample. The
+    difference of the two times over the difference of their elements is the kernel's
+    time per element without its fixed cost per call (Python, validation); divided by the
+    thread count (two real cores: see benchmarks/README.md) it is the bound of the
+    multi-threaded kernel. Returns (small call, large call, element difference per call).
+    """
+    half = HALF_DTYPES.get(dtype)
+
+    def lists(n):
+        shapes = [(n,)]
+        params = make_list(shapes, torch.float32, "param", gen)
+        grads = make_list(shapes, half or torch.float32, "grad", gen)
+        m, v = make_list(shapes, torch.float32, "zeros", gen), make_list(shapes, torch.float32, "zeros", gen)
+        return params, grads, m, v, [p.to(half) for p in params] if half else []
+
+    def call(n):
+        tensors = lists(n)
+        step, found_inf, inv_scale = torch.zeros(1), torch.zeros(1), torch.ones(1)
+
+        def adam():
+            for _ in range(CALLS_PER_SAMPLE):
+                ops.fused_adam_(*tensors, step, LR, *BETAS, EPS, WEIGHT_DECAY, True, True, None, None)
+
+        def o2_step():
+            for _ in range(CALLS_PER_SAMPLE):
+                found_inf.zero_()
+                ops.check_finite(tensors[1], found_inf)
+                ops.fused_adam_(*tensors, step, LR, *BETAS, EPS, WEIGHT_DECAY, True, True, inv_scale, found_inf)
+        return adam if section == "adam" else o2_step
+
+    small, large = 4096, 28672
+    return call(small), call(large), (large - small) * CALLS_PER_SAMPLE
+
+
+CALLS_PER_SAMPLE = 64
 
 
 def check_cases(ops, shapes, copies, gen, dtype) -> list[Case]:

@@ -41,7 +41,7 @@ except ModuleNotFoundError:  # running from a checkout without an install: use t
     import apex_amp.ops as amp_ops
 from apex_amp._extension import STATUS
 from _kernel_workloads import (DTYPES, FAMILY, HALF_DTYPES, Case, adam_cases, check_cases, family_cases,
-                               load_deepspeed_cpu_adam, o2_cases,
+                               in_cache_calls, load_deepspeed_cpu_adam, o2_cases,
                                transformer_like_shapes)
 
 # ----------------------------------------------------------------------------- running and reporting
@@ -57,12 +57,34 @@ class Row:
     timing: Optional[Timing]
     ratios: dict  # apex impl -> this median / that median (> 1: apex faster)
     bound_multiple: Optional[float]
+    # apex_amp rows of adam/o2: seconds per element of the same kernel on data in cache (its arithmetic)
+    compute_per_element: Optional[float] = None
+    # the bandwidth of the patterns timed in this row's own rounds (same moments of a shared machine)
+    rounds_bandwidth: Optional[Bandwidth] = None
+    rounds_bound_multiple: Optional[float] = None
+
+    @property
+    def compute_multiple(self) -> Optional[float]:
+        """Median / the arithmetic bound (elements x in-cache time per element), or None."""
+        if self.timing is None or self.compute_per_element is None:
+            return None
+        return self.timing.median / (self.elements * self.compute_per_element)
+
+    @property
+    def limit(self) -> str:
+        """Which bound is the larger, hence the one this kernel cannot beat: bytes or arithmetic."""
+        if self.compute_multiple is None or self.bound_multiple is None:
+            return ""
+        return "bytes" if self.compute_multiple >= self.bound_multiple else "arithmetic"
 
     def judged_by(self, bandwidth: Bandwidth) -> "Row":
         """This row with its bound multiple against ``bandwidth``."""
         bound = (bandwidth.bound_multiple(self.timing.median, self.elements, self.case.bytes_per_element,
                                           read_only=self.case.read_only) if self.timing else None)
-        return dataclasses.replace(self, bound_multiple=bound)
+        in_rounds = (self.rounds_bandwidth.bound_multiple(self.timing.median, self.elements,
+                                                          self.case.bytes_per_element, read_only=self.case.read_only)
+                     if self.timing and self.rounds_bandwidth else None)
+        return dataclasses.replace(self, bound_multiple=bound, rounds_bound_multiple=in_rounds)
 
     def to_json(self) -> dict:
         return {"section": self.section, "size": self.size, "dtype": self.dtype, "elements": self.elements,
@@ -70,7 +92,10 @@ class Row:
                 "read_only": self.case.read_only, "note": self.case.note,
                 "timing": self.timing.to_json() if self.timing else None,
                 "ns_per_element": self.timing.ns_per(self.elements) if self.timing else None,
-                "bound_multiple": self.bound_multiple, "peer_over_apex": self.ratios}
+                "bound_multiple": self.bound_multiple, "rounds_bound_multiple": self.rounds_bound_multiple,
+                "peer_over_apex": self.ratios,
+                "compute_ns_per_element": self.compute_per_element * 1e9 if self.compute_per_element else None,
+                "compute_multiple": self.compute_multiple, "limit": self.limit}
 
 
 def parse_size(text: str) -> int:
@@ -89,6 +114,8 @@ def default_reps(elements: int) -> int:
 
 # The patterns timed alongside every section's kernels: those that set the bound on the machines
 # measured so far (benchmarks/README.md); four rather than all, to keep the run short.
+# The in-cache calls timed with the adam and o2 sections (in_cache_calls).
+IN_CACHE_SMALL, IN_CACHE_LARGE = "apex_amp kernel in cache, small", "apex_amp kernel in cache, large"
 INTERLEAVED_PATTERNS = ("in place, torch mul_", "3 reads + 1 write in place, torch addcmul_",
                         "Adam's 4 reads + 3 writes (C++)", "read only, torch sum")
 
@@ -111,7 +138,7 @@ def run_section(section, ops, sizes, args, probes, deepspeed) -> tuple[list[Row]
             if section == "adam":
                 cases = adam_cases(ops, shapes, copies, gen, deepspeed)
             elif section == "o2":
-                cases = o2_cases(ops, shapes, copies, gen, HALF_DTYPES[dtype])
+                cases = o2_cases(ops, shapes, copies, gen, HALF_DTYPES[dtype], deepspeed)
             elif section == "optimizers":
                 cases = family_cases(ops, shapes, copies, gen, dtype)
             else:
@@ -119,6 +146,10 @@ def run_section(section, ops, sizes, args, probes, deepspeed) -> tuple[list[Row]
             reps = args.reps or default_reps(elements)
             timed_at = time.perf_counter()
             fns = {c.impl: c.fn for c in cases if c.fn is not None}
+            # The arithmetic bound: apex_amp's kernel on data that stays in cache, in the same rounds.
+            in_cache = in_cache_calls(ops, section, dtype, gen) if section in ("adam", "o2") else None
+            if in_cache is not None:
+                fns[IN_CACHE_SMALL], fns[IN_CACHE_LARGE] = in_cache[:2]
             for fn in fns.values():  # one pass over every copy, so that each starts from memory, not page faults
                 for _ in range(max(0, copies - args.warmup)):
                     fn()
@@ -127,8 +158,11 @@ def run_section(section, ops, sizes, args, probes, deepspeed) -> tuple[list[Row]
             timings = time_interleaved({**fns, **probes.calls(INTERLEAVED_PATTERNS)},
                                        warmup=args.warmup, reps=reps, rounds=args.rounds or reps)
             bandwidths.append(probes.bandwidth_from(timings))
+            compute = (max(0.0, timings[IN_CACHE_LARGE].median - timings[IN_CACHE_SMALL].median) / in_cache[2]
+                       / args.threads if in_cache is not None else None)
             print(f"  {section} {label} {dtype}: {copies} cold cop{'y' if copies == 1 else 'ies'}, "
-                  f"set up in {timed_at - set_up_at:.1f} s, timed in {time.perf_counter() - timed_at:.1f} s",
+                  f"set up in {timed_at - set_up_at:.1f} s, timed in {time.perf_counter() - timed_at:.1f} s"
+                  + (f", arithmetic bound {compute * 1e9:.3f} ns/el" if compute else ""),
                   file=sys.stderr, flush=True)
             for case in cases:
                 timing = timings.get(case.impl)
@@ -136,7 +170,7 @@ def run_section(section, ops, sizes, args, probes, deepspeed) -> tuple[list[Row]
                           for name in case.compare_with if timing and name in timings}
                 # The row keeps what the report needs, not the call: its data is freed before the next set-up.
                 rows.append(Row(section, label, dtype, elements, dataclasses.replace(case, fn=None), timing, ratios,
-                                None))
+                                None, compute if case.impl.startswith("apex_amp") else None, bandwidths[-1]))
             del cases, fns, timings
     return rows, bandwidths
 
@@ -147,7 +181,7 @@ def format_ratio(ratio: float) -> str:
 
 def render_rows(rows: list[Row]) -> str:
     header = ["size", "dtype", "implementation", "B/el", "median ms", "IQR ms", "ns/el", "GB/s", "x bound",
-              "apex speedup", "note"]
+              "x bound (rounds)", "x compute", "limit", "apex speedup", "note"]
     table = []
     for row in rows:
         t = row.timing
@@ -158,12 +192,19 @@ def render_rows(rows: list[Row]) -> str:
                       f"{t.median * 1e3:.3f}" if t else "-", f"{t.iqr * 1e3:.3f}" if t else "-",
                       f"{t.ns_per(row.elements):.3f}" if t else "-",
                       f"{row.case.bytes_per_element * row.elements / t.median / 1e9:.1f}" if t else "-",
-                      f"{row.bound_multiple:.2f}" if t else "-", speedup, row.case.note])
+                      f"{row.bound_multiple:.2f}" if t else "-",
+                      f"{row.rounds_bound_multiple:.2f}" if row.rounds_bound_multiple else "-",
+                      f"{row.compute_multiple:.2f}" if row.compute_multiple else "-", row.limit or "-",
+                      speedup, row.case.note])
     return format_table(header, table)
 
 
 def evaluate_targets(rows: list[Row], bandwidth: Bandwidth) -> list[tuple[str, str, bool]]:
-    """The targets of issue 2, item 5, against this run: (target, measured, met).
+    """The targets of issue 2 (item 5) and of issue 20 against this run: (target, measured, met).
+
+    Issue 20's, marked [20]: the O2 step within 1.5x of its bound and >= 1.5x torch's
+    composition at 16M and 64M, fp32 Adam >= 1.05x torch's fused AdamW at every size, and
+    the O2 step ahead of DeepSpeed's CPU Adam with its half copy at every size.
 
     A speed-up target also shows its ceiling: the speed-up apex_amp would have if the
     peer ran exactly at its own bound (its bytes per element over the bandwidth), which
@@ -182,11 +223,20 @@ def evaluate_targets(rows: list[Row], bandwidth: Bandwidth) -> list[tuple[str, s
         results.append((f"{label} >= {need}x faster than {peer}",
                         f"{format_ratio(value)} (ceiling with the peer at its bound: {ceiling:.2f}x)", value >= need))
 
-    def bound(label, section, size, dtype, apex, limit):
+    def bound(label, section, size, dtype, apex, limit, in_rounds=False):
         row = by_key.get((section, size, dtype, apex))
-        if row is not None and size in ("16M", "64M"):
-            results.append((f"{label} within {limit}x of the {row.case.bytes_per_element:g} B/el bound",
-                            f"{row.bound_multiple:.2f}x", row.bound_multiple <= limit))
+        if row is None or size not in ("16M", "64M"):
+            return
+        if in_rounds and row.rounds_bound_multiple is not None:
+            # Judged at the bandwidth of the row's own rounds: on a VM whose bandwidth moves by 2x from
+            # minute to minute, the run's best can come from a moment the row never saw.
+            results.append((f"{label} within {limit}x of the {row.case.bytes_per_element:g} B/el bound at the "
+                            "bandwidth of its own rounds",
+                            f"{row.rounds_bound_multiple:.2f}x (against the run's best bandwidth: "
+                            f"{row.bound_multiple:.2f}x)", row.rounds_bound_multiple <= limit))
+            return
+        results.append((f"{label} within {limit}x of the {row.case.bytes_per_element:g} B/el bound",
+                        f"{row.bound_multiple:.2f}x", row.bound_multiple <= limit))
 
     adam, o2, check = "apex_amp fused_adam_", "apex_amp check_finite + fused_adam_", "apex_amp check_finite"
     for size in dict.fromkeys(r.size for r in rows):
@@ -200,6 +250,15 @@ def evaluate_targets(rows: list[Row], bandwidth: Bandwidth) -> list[tuple[str, s
         for dtype in DTYPES:
             speedup(f"(c) {size} {dtype} check_finite", "check", size, dtype,
                     "torch._amp_foreach_non_finite_check_and_unscale_", check, 1.6)
+    for size in dict.fromkeys(r.size for r in rows):
+        speedup(f"[20] {size} fp32 Adam", "adam", size, "fp32", "torch AdamW(fused=True).step()", adam, 1.05)
+        for dtype in HALF_DTYPES:
+            if size in ("16M", "64M"):
+                speedup(f"[20] {size} {dtype} O2 step", "o2", size, dtype,
+                        "torch unscale + copy + AdamW(fused).step() + copy", o2, 1.5)
+                bound(f"[20] {size} {dtype} O2 step", "o2", size, dtype, o2, 1.5, in_rounds=True)
+            speedup(f"[20] {size} {dtype} O2 step", "o2", size, dtype,
+                    "DeepSpeed: unscale + copy + DeepSpeedCPUAdam.step() + copy", o2, 1.0)
     return results
 
 
@@ -252,7 +311,7 @@ def main(argv=None) -> int:
     ops = amp_ops.backend_namespace(backend)
     sizes = [s.strip() for s in args.sizes.split(",")]
     deepspeed = (None, "skipped (--no-deepspeed)") if args.no_deepspeed else (
-        load_deepspeed_cpu_adam() if "adam" in args.sections else (None, ""))
+        load_deepspeed_cpu_adam() if {"adam", "o2"} & set(args.sections) else (None, ""))
 
     info = machine_info()
     build = STATUS.build_info() if backend == "extension" else {}
@@ -264,7 +323,7 @@ def main(argv=None) -> int:
     if deepspeed[0] is not None:
         import deepspeed as deepspeed_module
         print(f"deepspeed {deepspeed_module.__version__}: DeepSpeedCPUAdam loaded")
-    elif "adam" in args.sections:
+    elif {"adam", "o2"} & set(args.sections):
         print(f"deepspeed: {deepspeed[1]}")
     print(f"load average at start (1/5/15 min): {info['load_average_1_5_15min']}"
           + ("  <- machine busy: timings are noisy" if info["load_average_1_5_15min"][0] > 1.0 else ""))
@@ -285,8 +344,10 @@ def main(argv=None) -> int:
     print(f"\n(d) streaming bandwidth, {args.bandwidth_mb} MiB fp32 buffers, {args.threads} threads; the bound "
           "is the best pattern (a copy's store first reads its line: write-allocate, not counted):\n"
           + bandwidth.describe())
-    print("x bound = median / (bytes per element x elements / bandwidth); apex speedup = peer median / "
-          "apex_amp median (> 1: apex_amp faster)")
+    print("x bound = median / (bytes per element x elements / bandwidth), the best bandwidth of the run; x bound "
+          "(rounds) = the same against the bandwidth measured in the row's own timing rounds; x compute = median / (elements x the "
+          "same apex_amp kernel's time per element on in-cache data, one thread, / threads); limit = the larger of the two bounds; "
+          "apex speedup = peer median / apex_amp median (> 1: apex_amp faster)")
 
     rows = []
     for section in args.sections:
@@ -315,7 +376,7 @@ def main(argv=None) -> int:
 
     targets = evaluate_targets(rows, bandwidth)
     if targets:
-        print("\ntargets (issue 2, item 5):")
+        print("\ntargets (issue 2, item 5; issue 20 marked [20]):")
         for text, measured, met in targets:
             print(f"  {'MET   ' if met else 'MISSED'} {text}: {measured}")
     load_end = [round(x, 2) for x in os.getloadavg()]

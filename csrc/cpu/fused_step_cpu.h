@@ -30,6 +30,18 @@ inline float value_or_one(const std::optional<at::Tensor>& one_element) {
   return one_element.has_value() ? *one_element->data_ptr<float>() : 1.f;
 }
 
+// From this many elements on, a step writes its fp16/bf16 model copy with
+// non-temporal stores. An ordinary store first reads the line it writes
+// (write-allocate), so the copy's 2 B/el cost 4 B/el of traffic, and it pushes
+// the streams being read out of the cache; a non-temporal store writes the
+// line straight to memory. That pays when the step's data (16 B/el under O2:
+// master 4, moments 8, half grad 2, half copy 2) is far beyond the last-level
+// cache anyway; for a smaller model it would evict a copy that the next
+// forward pass could have found in cache. 4M elements: 64 MB of step data,
+// 2x the 32 MiB L3 of the reference machine (benchmarks/README.md, "What
+// limits the O2 step").
+constexpr int64_t kStreamingModelCopyMinElements = int64_t{1} << 22;
+
 // The lists of one fused step, as the kernels see them; `states` in the
 // rule's order (Adam: exp_avgs, exp_avg_sqs), model_params empty for no copy.
 class FusedLists {
@@ -43,6 +55,11 @@ class FusedLists {
     for (at::TensorList state : states) {
       states_.emplace_back(state);
     }
+    int64_t elements = 0;
+    for (const at::Tensor& model : model_params) {
+      elements += model.numel();
+    }
+    stream_model_ = elements >= kStreamingModelCopyMinElements;
   }
 
   PlanView plan() const {
@@ -61,6 +78,7 @@ class FusedLists {
     }
     operands.model_params = has_model_ ? model_.view() : OperandView{nullptr, nullptr};
     operands.tensor_values = tensor_values;
+    operands.stream_model_copy = stream_model_;
     return operands;
   }
 
@@ -71,6 +89,7 @@ class FusedLists {
   std::vector<ListOperand> states_;
   ListOperand model_;
   bool has_model_;
+  bool stream_model_ = false;
 };
 
 // Per-unit partial results (fp32 sums or maxima) gathered per tensor: sums in

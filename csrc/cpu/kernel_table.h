@@ -19,12 +19,15 @@ constexpr int kMaxRuleStates = 2;
 // The tensors of one fused optimizer step: params, grads, the rule's state
 // lists (the first kStates used), the O2 model copy (data null: none) and,
 // for rules that take one, a value per tensor of the lists.
+// stream_model_copy: write fp16/bf16 model copies with non-temporal stores
+// (the launcher decides: fused_step_cpu.h, kStreamingModelCopyMinElements).
 struct RuleOperands {
   OperandView params;
   OperandView grads;
   OperandView states[kMaxRuleStates];
   OperandView model_params;
   const float* tensor_values;
+  bool stream_model_copy;
 };
 
 // One member per fused rule (fused_rules.h): runs the rule over every unit,

@@ -54,6 +54,44 @@ inline void store_block(T* p, const Vec& lo, const Vec& hi) {
   at::vec::convert_from_float<T>(lo, hi).store(p);
 }
 
+// Whether this instruction set stores a reduced-precision block with one
+// non-temporal store (stream_block): the vector ISAs, where a block is exactly
+// one fp16/bf16 vector (64 bytes, a cache line, with AVX-512; 32 with AVX2).
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kHasStreamingStores = true;
+#else
+constexpr bool kHasStreamingStores = false;
+#endif
+
+// The bytes a reduced-precision block spans; stream_block needs its address
+// aligned to this.
+constexpr int64_t kHalfBlockBytes = kBlock * 2;
+
+// store_block for a stream that is written and not read again soon (the O2
+// model copy): a non-temporal store writes the line without reading it first
+// (no write-allocate) and without evicting the streams still being read.
+// Same values as store_block; p must be kHalfBlockBytes-aligned, and the
+// stores must be fenced (streaming_fence) before other threads read them.
+template <typename T>
+inline void stream_block(T* p, const Vec& lo, const Vec& hi) {
+  static_assert(!std::is_same_v<T, float>, "only reduced-precision blocks are streamed");
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(p), __m512i(at::vec::convert_from_float<T>(lo, hi)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), __m256i(at::vec::convert_from_float<T>(lo, hi)));
+#else
+  store_block(p, lo, hi);
+#endif
+}
+
+// Orders this thread's non-temporal stores before its later stores (the end
+// of a parallel region, where other threads may start reading).
+inline void streaming_fence() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
 template <typename T>
 inline float load_scalar(const T* p) {
   return static_cast<float>(*p);
