@@ -76,6 +76,18 @@ def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
     return lambda: next(cycle)()
 
 
+def half_model_with_masters(shapes, half_dtype, gen):
+    """A peer's O2 tensors: the half model, its fp32 masters (whose .grad are the fp32 master
+    grads), the half grads the backward would leave, and the master grads."""
+    model = make_list(shapes, half_dtype, "param", gen)
+    masters = [torch.nn.Parameter(t.float()) for t in model]
+    grads = make_list(shapes, half_dtype, "grad", gen)
+    master_grads = [torch.zeros_like(p) for p in masters]
+    for p, g in zip(masters, master_grads):
+        p.grad = g
+    return model, masters, grads, master_grads
+
+
 def inv_scale_cycle() -> Callable[[], torch.Tensor]:
     cycle = itertools.cycle([torch.full((1,), s) for s in INV_SCALES])
     return lambda: next(cycle)
@@ -188,12 +200,7 @@ def o2_cases(ops, shapes, copies, gen, half_dtype, deepspeed=(None, "not request
         return o2_step
 
     def torch_call():
-        model = make_list(shapes, half_dtype, "param", gen)
-        masters = [torch.nn.Parameter(t.float()) for t in model]
-        grads = make_list(shapes, half_dtype, "grad", gen)
-        master_grads = [torch.zeros_like(p) for p in masters]
-        for p, g in zip(masters, master_grads):
-            p.grad = g
+        model, masters, grads, master_grads = half_model_with_masters(shapes, half_dtype, gen)
         optimizer = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
         optimizer.step()
         found_inf, next_inv_scale = torch.zeros(()), inv_scale_cycle()  # 0-dim, as GradScaler makes it
@@ -236,12 +243,7 @@ def deepspeed_o2_case(shapes, copies, gen, half_dtype, deepspeed, apex) -> Case:
         return Case(name, None, 44, compare_with=(apex,), note=f"not run: {reason}")
     groups, calls = [], []
     for _ in range(copies):
-        model = make_list(shapes, half_dtype, "param", gen)
-        masters = [torch.nn.Parameter(t.float()) for t in model]
-        grads = make_list(shapes, half_dtype, "grad", gen)
-        master_grads = [torch.zeros_like(p) for p in masters]
-        for p, g in zip(masters, master_grads):
-            p.grad = g
+        model, masters, grads, master_grads = half_model_with_masters(shapes, half_dtype, gen)
         groups.append({"params": masters})
         calls.append((model, masters, grads, master_grads))
     # One optimizer with a param group per data copy (see adam_cases: its constructor is slow).
