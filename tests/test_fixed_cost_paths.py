@@ -11,6 +11,8 @@
   a shared zero flag to the step, which must never be written.
 * the resolution of ``scale_loss``'s optimizer argument, remembered per argument: a new
   ``amp.initialize`` must be seen.
+* the input cast hook passes plain tensors that need no cast on without walking them: what the
+  forward receives must be what the walk would have given.
 """
 
 from __future__ import annotations
@@ -325,3 +327,51 @@ def test_a_remembered_resolution_keeps_no_optimizer_or_model_alive(opt_level):
     refs = trial()
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+# ---- the input cast hook's short cut -------------------------------------------------------------
+class _Recorder(torch.nn.Module):
+    """Keeps what its forward received, so a test sees what the input hook passed on."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, *args, **kwargs):
+        self.seen = (args, kwargs)
+        return self.weight.sum()
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O2"])
+def test_inputs_the_hook_passes_unwalked_are_exactly_the_walk_s(opt_level):
+    from apex_amp.amp.model_casting import cast_floating_tensors
+
+    model = _Recorder()
+    model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,
+                              half_dtype=torch.bfloat16, verbosity=0)
+    dtype = torch.float32 if opt_level == "O0" else torch.bfloat16
+    other = torch.bfloat16 if opt_level == "O0" else torch.float32
+    calls = [
+        (torch.ones(3, dtype=dtype),),  # the short cut: already the dtype
+        (torch.ones(3, dtype=dtype), torch.arange(3)),  # with an integer tensor
+        (torch.ones(3, dtype=other),),  # one to cast
+        (torch.ones(3, dtype=dtype), torch.ones(3, dtype=other)),  # the second one to cast
+        (torch.nn.Parameter(torch.ones(3, dtype=other)),),  # a subclass: the long way
+        ([torch.ones(3, dtype=other)],),  # a container
+        (torch.ones(3, dtype=dtype), 2.0),  # not a tensor
+        (),
+    ]
+    for args in calls:
+        model(*args)
+        received, _ = model.seen
+        expected = cast_floating_tensors(args, dtype)
+        assert len(received) == len(expected) == len(args)
+        for got, want, given in zip(received, expected, args):
+            assert type(got) is type(want)
+            assert (got is given) == (want is given)  # passed on as it is exactly where the walk does
+            if isinstance(want, torch.Tensor):
+                assert got.dtype == want.dtype and torch.equal(got.float(), want.float())
+            elif isinstance(want, list):
+                assert [t.dtype for t in got] == [t.dtype for t in want] == [dtype]
+    model(torch.ones(3, dtype=dtype), x=torch.ones(3, dtype=other))
+    assert model.seen[1]["x"].dtype == dtype  # keyword arguments: the walk

@@ -129,12 +129,14 @@ def _pass_in_place(loss: Tensor, session: AmpSession, lifecycles: list[GradLifec
         for lifecycle in begun:
             lifecycle.abort_pass()
         raise
+    # loss.float() of an fp32 loss is the loss itself: the same object, without a dispatcher call.
+    loss = loss if loss.dtype is torch.float32 else loss.float()
     try:
         if session.properties.patch_torch_functions:
             with casting.disable_casts():  # see _checked_pass
-                yield loss.float()
+                yield loss
         else:
-            yield loss.float()
+            yield loss
     except BaseException:
         for lifecycle in lifecycles:
             lifecycle.abort_pass()
