@@ -132,10 +132,13 @@ class PassRecord(NamedTuple):
 
 class _OpenPass(NamedTuple):
     resumes: GradState  # where abort_pass returns
-    stash: list[Optional[Tensor]]  # the direct params' .grad from before the pass
+    stash: Sequence[Optional[Tensor]]  # the direct params' .grad from before the pass
     continues_delayed: bool  # the backward adds to DELAYED gradients in place
     in_place: bool = False  # begin_pass_in_place: the backward adds to true gradients in place
-    had_grads: bool = False  # in place: gradients were there before the backward
+
+
+# A pass in place keeps nothing of its own: one record per state it may start from, made once.
+_IN_PLACE_PASSES = {state: _OpenPass(state, (), continues_delayed=False, in_place=True) for state in _IN_PLACE_STATES}
 
 
 class _OpenStep(NamedTuple):
@@ -210,8 +213,10 @@ class GradLifecycle:
     def has_new_grads(self) -> bool:
         """Whether the open pass's backward reached a parameter of this optimizer."""
         opened = self._open_pass
-        if opened is not None and (opened.continues_delayed or (opened.in_place and opened.had_grads)):
+        if opened is not None and opened.continues_delayed:
             return True  # added in place: new and old gradients are indistinguishable
+        # (A pass in place that found gradients there also lands here: they are still there, and
+        # as indistinguishable from new ones.)
         return any(p.grad is not None for p in self.params.direct) or any(
             link.model_param.grad is not None for link in self.params.links)
 
@@ -258,8 +263,7 @@ class GradLifecycle:
         ``begin_pass`` have nothing to find.
         """
         self.sync_params()
-        had_grads = any(p.grad is not None for p in self.params.direct)
-        self._open_pass = _OpenPass(self.state, [], continues_delayed=False, in_place=True, had_grads=had_grads)
+        self._open_pass = _IN_PLACE_PASSES[self.state]
         self._move(GradState.IN_PASS)
 
     def _check_can_open_pass(self) -> None:
@@ -315,7 +319,7 @@ class GradLifecycle:
         opened, self._open_pass = self._open_pass, None
         if opened.in_place:
             # What the backward added before it raised stays, as it would without amp.
-            self._move(GradState.UNSCALED if opened.had_grads or self.has_new_grads() else opened.resumes)
+            self._move(GradState.UNSCALED if self.has_new_grads() else opened.resumes)
             return
         if not opened.continues_delayed:
             for p, old in zip(self.params.direct, opened.stash):
