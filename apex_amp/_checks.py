@@ -182,3 +182,15 @@ def host_numbers(op: str, **checks: tuple[float, bool, str]) -> None:
     """number() for several host numbers: name=(value, in_range, expected)."""
     for name, (value, in_range, expected) in checks.items():
         number(op, name, value, in_range, expected)
+
+
+def adam_numbers(op: str, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                 **more: tuple[float, bool, str]) -> None:
+    """host_numbers() for Adam's hyper-parameters (Adam, LAMB, NovoGrad), then ``more``.
+
+    Written so that NaN fails every check (as csrc/validate.h's ``check_betas`` and its callers).
+    """
+    host_numbers(
+        op, lr=(lr, lr >= 0.0, ">= 0"), beta1=(beta1, 0.0 <= beta1 < 1.0, "in [0, 1)"),
+        beta2=(beta2, 0.0 <= beta2 < 1.0, "in [0, 1)"), eps=(eps, eps >= 0.0, ">= 0"),
+        weight_decay=(weight_decay, weight_decay >= 0.0, ">= 0"), **more)

@@ -252,11 +252,7 @@ def _fake_fused_adam(
     check.fused_step(op, device, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
                      model_params, inv_scale, found_inf)
     check.scalars(op, device, step=step)
-    # Written so that NaN fails every check.
-    check.host_numbers(
-        op, lr=(lr, lr >= 0.0, ">= 0"), beta1=(beta1, 0.0 <= beta1 < 1.0, "in [0, 1)"),
-        beta2=(beta2, 0.0 <= beta2 < 1.0, "in [0, 1)"), eps=(eps, eps >= 0.0, ">= 0"),
-        weight_decay=(weight_decay, weight_decay >= 0.0, ">= 0"))
+    check.adam_numbers(op, lr, beta1, beta2, eps, weight_decay)
 
 
 @define("fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "step"),

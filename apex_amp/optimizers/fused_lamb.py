@@ -31,11 +31,8 @@ def _fake_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, step, g
     check.fused_step(_OP, device, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
                      model_params, inv_scale, found_inf)
     check.scalars(_OP, device, step=step, grad_norm=grad_norm)
-    check.host_numbers(
-        _OP, lr=(lr, lr >= 0.0, ">= 0"), beta1=(beta1, 0.0 <= beta1 < 1.0, "in [0, 1)"),
-        beta2=(beta2, 0.0 <= beta2 < 1.0, "in [0, 1)"), eps=(eps, eps >= 0.0, ">= 0"),
-        weight_decay=(weight_decay, weight_decay >= 0.0, ">= 0"),
-        max_grad_norm=(max_grad_norm, max_grad_norm > 0.0, "> 0 (inf: no clipping)"))
+    check.adam_numbers(_OP, lr, beta1, beta2, eps, weight_decay,
+                       max_grad_norm=(max_grad_norm, max_grad_norm > 0.0, "> 0 (inf: no clipping)"))
 
 
 @define(_OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "step"), fake=_fake_fused_lamb)

@@ -36,11 +36,8 @@ def _fake_fused_novograd(params, grads, exp_avgs, exp_avg_sqs, model_params, ste
     for i, moment in enumerate(exp_avg_sqs):
         check.scalars(_OP, device, **{f"exp_avg_sqs[{i}]": moment})
     check.scalars(_OP, device, step=step)
-    check.host_numbers(
-        _OP, lr=(lr, lr >= 0.0, ">= 0"), beta1=(beta1, 0.0 <= beta1 < 1.0, "in [0, 1)"),
-        beta2=(beta2, 0.0 <= beta2 < 1.0, "in [0, 1)"), eps=(eps, eps >= 0.0, ">= 0"),
-        weight_decay=(weight_decay, weight_decay >= 0.0, ">= 0"),
-        norm_type=(norm_type, norm_type in (0, 2), "2 (L2) or 0 (L-infinity)"))
+    check.adam_numbers(_OP, lr, beta1, beta2, eps, weight_decay,
+                       norm_type=(norm_type, norm_type in (0, 2), "2 (L2) or 0 (L-infinity)"))
 
 
 @define(_OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "step"), fake=_fake_fused_novograd)
