@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 import statistics
@@ -53,6 +54,8 @@ __all__ = [
     "parallel_region_latency",
     "machine_info",
     "format_table",
+    "print_targets",
+    "finish_run",
 ]
 
 
@@ -373,3 +376,21 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def print_targets(title: str, verdicts: Sequence[tuple[str, str, bool]]) -> None:
+    """Print each target as MET or MISSED with what was measured."""
+    print(f"\ntargets ({title}):")
+    for text, measured, met in verdicts:
+        print(f"  {'MET   ' if met else 'MISSED'} {text}: {measured}")
+
+
+def finish_run(started: float, json_path: Optional[str], payload: dict) -> None:
+    """Print the load average at the end and the run's duration; write ``payload`` (with the
+    load average) to ``json_path`` when one was given."""
+    load_end = [round(x, 2) for x in os.getloadavg()]
+    print(f"\nload average at end: {load_end}; run took {time.perf_counter() - started:.0f} s")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({**payload, "load_average_end": load_end}, f, indent=1)
+        print(f"wrote {json_path}")

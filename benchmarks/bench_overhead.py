@@ -24,8 +24,6 @@ Run (from the repository root, in the venv where apex_amp is installed):
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -41,7 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 sys.path.insert(0, str(HERE.parent))
 
-from _timing import machine_info, parallel_region_latency  # noqa: E402
+from _timing import finish_run, machine_info, parallel_region_latency, print_targets  # noqa: E402
 from _workers import run_configurations  # noqa: E402
 
 LEVELS = ("O0", "O1", "O2", "O3")
@@ -242,20 +240,13 @@ def main(argv=None) -> int:
     if args.phases:
         print("\nphases (median wall us of each, 2000 steps back to back per worker after the rounds):\n")
         print("\n".join(phase_rows))
-    print("\ntargets (issue 20, tiny model):")
-    for text, measured, met in verdicts:
-        print(f"  {'MET   ' if met else 'MISSED'} {text}: {measured}")
-    load_end = [round(x, 2) for x in os.getloadavg()]
-    print(f"\nload average at end: {load_end}; run took {time.perf_counter() - started:.0f} s")
-    if args.json:
-        payload = {"machine": info, "args": vars(args), "load_average_end": load_end,
-                   "results": {m: {c: {"cpu": r["cpu_timing"].to_json(), "wall": r["timing"].to_json(),
-                                       **({"phases": r["phases"]} if "phases" in r else {})}
-                                   for c, r in res.items()} for m, res in all_results.items()},
-                   "targets": [{"target": t, "measured": m, "met": ok} for t, m, ok in verdicts]}
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
-        print(f"wrote {args.json}")
+    print_targets("issue 20, tiny model", verdicts)
+    finish_run(started, args.json, {
+        "machine": info, "args": vars(args),
+        "results": {m: {c: {"cpu": r["cpu_timing"].to_json(), "wall": r["timing"].to_json(),
+                            **({"phases": r["phases"]} if "phases" in r else {})}
+                        for c, r in res.items()} for m, res in all_results.items()},
+        "targets": [{"target": t, "measured": m, "met": ok} for t, m, ok in verdicts]})
     return 0
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import sys
@@ -51,7 +50,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))  # the models come from the examples themselves
 sys.path.insert(0, str(HERE.parent))  # apex_amp from the checkout when it is not installed
 
-from _timing import machine_info, parallel_region_latency  # noqa: E402
+from _timing import finish_run, machine_info, parallel_region_latency, print_targets  # noqa: E402
 from _workers import run_configurations  # noqa: E402
 
 CONFIGS = ("fp32", "apex O0", "torch.amp", "apex O1", "apex O2")
@@ -312,20 +311,13 @@ def main(argv=None) -> int:
           "peak = state (parameters, buffers, masters, optimizer state before the step) "
           "+ step (peak of bytes allocated during one step, from the profiler's allocator events).")
     verdicts = targets(all_results, args)
-    print("\ntargets (issue 6):")
-    for text, measured, met in verdicts:
-        print(f"  {'MET   ' if met else 'MISSED'} {text}: {measured}")
-    load_end = [round(x, 2) for x in os.getloadavg()]
-    print(f"\nload average at end: {load_end}; run took {time.perf_counter() - started:.0f} s")
-    if args.json:
-        payload = {"machine": info, "args": {k: v for k, v in vars(args).items()}, "load_average_end": load_end,
-                   "results": {m: {c: {**{k: v for k, v in r.items() if not k.endswith("timing")},
-                                       "wall": r["timing"].to_json(), "cpu": r["cpu_timing"].to_json()}
-                                   for c, r in res.items()} for m, res in all_results.items()},
-                   "targets": [{"target": t, "measured": m, "met": ok} for t, m, ok in verdicts]}
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
-        print(f"wrote {args.json}")
+    print_targets("issue 6", verdicts)
+    finish_run(started, args.json, {
+        "machine": info, "args": vars(args),
+        "results": {m: {c: {**{k: v for k, v in r.items() if not k.endswith("timing")},
+                            "wall": r["timing"].to_json(), "cpu": r["cpu_timing"].to_json()}
+                        for c, r in res.items()} for m, res in all_results.items()},
+        "targets": [{"target": t, "measured": m, "met": ok} for t, m, ok in verdicts]})
     return 0
 
 
