@@ -185,6 +185,53 @@ C10_HOST_DEVICE inline double one_minus_power(float beta, float step) {
   return 1.0 - ::pow(static_cast<double>(beta), static_cast<double>(step));
 }
 
+// The hyper-parameters of a rule from its op's arguments, for both launchers
+// (the step-dependent fields are prepare_step's; LAMB's grad_scale is set per
+// step by each launcher). SGD's and Adagrad's are one aggregate each.
+inline AdamStepParams adam_hyper(
+    double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
+    bool bias_correction) {
+  AdamStepParams h{};
+  h.lr = static_cast<float>(lr);
+  h.beta1 = static_cast<float>(beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.eps = static_cast<float>(eps);
+  h.weight_decay = static_cast<float>(weight_decay);
+  h.adamw_mode = adamw_mode;
+  h.bias_correction = bias_correction;
+  return h;
+}
+
+inline NovoGradHyper novograd_hyper(
+    double lr, double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
+    bool grad_averaging, bool reg_inside_moment) {
+  NovoGradHyper h{};
+  h.lr = static_cast<float>(lr);
+  h.beta1 = static_cast<float>(beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.beta3 = grad_averaging ? 1.f - static_cast<float>(beta1) : 1.f;
+  h.eps = static_cast<float>(eps);
+  h.weight_decay = static_cast<float>(weight_decay);
+  h.reg_inside_moment = reg_inside_moment;
+  h.bias_correction = bias_correction;
+  return h;
+}
+
+inline LambHyper lamb_hyper(
+    double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
+    bool grad_averaging, bool adam_w_mode) {
+  LambHyper h{};
+  h.beta1 = static_cast<float>(beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.beta3 = grad_averaging ? 1.f - static_cast<float>(beta1) : 1.f;
+  h.eps = static_cast<float>(eps);
+  h.weight_decay = static_cast<float>(weight_decay);
+  h.adam_w_mode = adam_w_mode;
+  h.bias_correction = bias_correction;
+  h.grad_scale = 1.f;
+  return h;
+}
+
 // prepare_step: complete a rule's hyper-parameters for the step being taken;
 // `step` is the step number after increment (1 on the first step).
 C10_HOST_DEVICE inline void prepare_step(AdamStepParams& p, float step) {

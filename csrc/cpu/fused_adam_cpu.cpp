@@ -47,14 +47,8 @@ void fused_adam_cpu(
   if (!step_after) {
     return;
   }
-  AdamStepParams hyper{};
-  hyper.lr = static_cast<float>(lr);
-  hyper.beta1 = static_cast<float>(beta1);
-  hyper.beta2 = static_cast<float>(beta2);
-  hyper.eps = static_cast<float>(eps);
-  hyper.weight_decay = static_cast<float>(weight_decay);
-  hyper.adamw_mode = adamw_mode;
-  hyper.bias_correction = bias_correction;
+  AdamStepParams hyper =
+      adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
   prepare_step(hyper, *step_after);
   const FusedLists lists(params, grads, {exp_avgs, exp_avg_sqs}, model_params);
   active_kernels().adam(lists.plan(), lists.operands(), hyper, value_or_one(inv_scale));

@@ -48,14 +48,8 @@ void fused_lamb_cpu(
     return;
   }
   const float inv = value_or_one(inv_scale);
-  LambHyper hyper{};
-  hyper.beta1 = static_cast<float>(beta1);
-  hyper.beta2 = static_cast<float>(beta2);
-  hyper.beta3 = grad_averaging ? 1.f - static_cast<float>(beta1) : 1.f;
-  hyper.eps = static_cast<float>(eps);
-  hyper.weight_decay = static_cast<float>(weight_decay);
-  hyper.adam_w_mode = adam_w_mode;
-  hyper.bias_correction = bias_correction;
+  LambHyper hyper =
+      lamb_hyper(beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, adam_w_mode);
   hyper.grad_scale =
       lamb_grad_scale(*grad_norm.data_ptr<float>() * inv, static_cast<float>(max_grad_norm));
   prepare_step(hyper, *step_after);

@@ -73,15 +73,8 @@ void fused_novograd_cpu(
   }
 
   // 2. The elementwise rule.
-  NovoGradHyper hyper{};
-  hyper.lr = static_cast<float>(lr);
-  hyper.beta1 = static_cast<float>(beta1);
-  hyper.beta2 = static_cast<float>(beta2);
-  hyper.beta3 = grad_averaging ? 1.f - static_cast<float>(beta1) : 1.f;
-  hyper.eps = static_cast<float>(eps);
-  hyper.weight_decay = static_cast<float>(weight_decay);
-  hyper.reg_inside_moment = reg_inside_moment;
-  hyper.bias_correction = bias_correction;
+  NovoGradHyper hyper = novograd_hyper(
+      lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment);
   prepare_step(hyper, *step_after);
   const FusedLists lists(params, grads, {exp_avgs}, model_params);
   active_kernels().novograd(lists.plan(), lists.operands(moments.data()), hyper, inv);

@@ -37,14 +37,8 @@ void fused_adam_cuda(
       weight_decay, inv_scale, found_inf, device);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AdamStepParams hyper{};
-  hyper.lr = static_cast<float>(lr);
-  hyper.beta1 = static_cast<float>(beta1);
-  hyper.beta2 = static_cast<float>(beta2);
-  hyper.eps = static_cast<float>(eps);
-  hyper.weight_decay = static_cast<float>(weight_decay);
-  hyper.adamw_mode = adamw_mode;
-  hyper.bias_correction = bias_correction;
+  const AdamStepParams hyper =
+      adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
   const FusedStepArgs args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf)};
   run_fused_rule(stream, params, grads, {exp_avgs, exp_avg_sqs}, model_params, hyper, args);
   increment_step(stream, step.data_ptr<float>(), args.found_inf);

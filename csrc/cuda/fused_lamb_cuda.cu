@@ -136,15 +136,9 @@ void fused_lamb_cuda(
   const auto float_options = at::TensorOptions().dtype(at::kFloat).device(device);
   const int64_t num_tensors = static_cast<int64_t>(params.size());
 
-  LambHyper hyper{};
-  hyper.beta1 = static_cast<float>(beta1);
-  hyper.beta2 = static_cast<float>(beta2);
-  hyper.beta3 = grad_averaging ? 1.f - static_cast<float>(beta1) : 1.f;
-  hyper.eps = static_cast<float>(eps);
-  hyper.weight_decay = static_cast<float>(weight_decay);
-  hyper.adam_w_mode = adam_w_mode;
-  hyper.bias_correction = bias_correction;
-  hyper.grad_scale = 1.f;  // set per block from grad_norm (LambMomentsFunctor)
+  LambHyper hyper =
+      lamb_hyper(beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, adam_w_mode);
+  // hyper.grad_scale stays 1: set per block from grad_norm (LambMomentsFunctor).
 
   if (num_tensors > 0) {
     // 1. Moments, and per-chunk squares of the params and the directions.

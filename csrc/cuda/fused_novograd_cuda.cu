@@ -91,15 +91,8 @@ void fused_novograd_cuda(
         NovoGradBlendFunctor{norms.data_ptr<float>(), moments.data_ptr<float>(), args,
                              static_cast<float>(beta2), !take_max});
     // 3. The elementwise rule.
-    NovoGradHyper hyper{};
-    hyper.lr = static_cast<float>(lr);
-    hyper.beta1 = static_cast<float>(beta1);
-    hyper.beta2 = static_cast<float>(beta2);
-    hyper.beta3 = grad_averaging ? 1.f - static_cast<float>(beta1) : 1.f;
-    hyper.eps = static_cast<float>(eps);
-    hyper.weight_decay = static_cast<float>(weight_decay);
-    hyper.reg_inside_moment = reg_inside_moment;
-    hyper.bias_correction = bias_correction;
+    const NovoGradHyper hyper = novograd_hyper(
+        lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment);
     run_fused_rule(stream, params, grads, {exp_avgs}, model_params, hyper, args, moments.data_ptr<float>());
   }
   increment_step(stream, step.data_ptr<float>(), args.found_inf);
