@@ -88,6 +88,11 @@ def _scaled_fp32(tensors: list[Tensor], factor: Tensor) -> list[Tensor]:
     return torch._foreach_mul(as_fp32(tensors), factor.reshape(()))
 
 
+def unscaled_fp32(grads: list[Tensor], inv_scale: Optional[Tensor]) -> list[Tensor]:
+    """The fused rules' gradients: in fp32, times ``inv_scale`` when one is given (as the kernels read them)."""
+    return as_fp32(grads) if inv_scale is None else _scaled_fp32(grads, inv_scale)
+
+
 # ---- check_finite ---------------------------------------------------------------------------
 def _fake_check_finite(tensors: list[Tensor], found_inf: Tensor) -> None:
     op, device = "check_finite", found_inf.device
@@ -223,9 +228,7 @@ def _adam_step_scalars(
 def _adam_math(params, grads, exp_avgs, exp_avg_sqs, inv_scale, step_size, bc2_sqrt, hyper):
     """amp_math.h's adam_update on whole lists, in fp32, same order of operations."""
     lr, beta1, beta2, eps, weight_decay, adamw_mode = hyper
-    grad = as_fp32(grads)
-    if inv_scale is not None:
-        grad = torch._foreach_mul(grad, inv_scale.reshape(()))
+    grad = unscaled_fp32(grads, inv_scale)
     param, exp_avg, exp_avg_sq = as_fp32(params), as_fp32(exp_avgs), as_fp32(exp_avg_sqs)
     if weight_decay != 0.0:
         if adamw_mode:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .. import _checks as check
 from .. import ops
-from .._fallback import as_fp32, commit, f32, shaped_like, step_taken
+from .._fallback import as_fp32, commit, f32, shaped_like, step_taken, unscaled_fp32
 from .._op_registry import define
 from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer
 
@@ -55,9 +55,7 @@ def fused_adagrad_(
         return
     grads, state_sums, model_params = (shaped_like(t, params) for t in (grads, state_sums, model_params))
     lr, eps, weight_decay = f32(lr), f32(eps), f32(weight_decay)
-    grad = as_fp32(grads)
-    if inv_scale is not None:
-        grad = torch._foreach_mul(grad, inv_scale.reshape(()))
+    grad = unscaled_fp32(grads, inv_scale)
     param = as_fp32(params)
     if not adagrad_w_mode:
         grad = torch._foreach_add(grad, torch._foreach_mul(param, weight_decay))

@@ -14,7 +14,7 @@ from torch.optim.optimizer import required
 
 from .. import _checks as check
 from .. import ops
-from .._fallback import as_fp32, commit, f32, shaped_like, step_taken
+from .._fallback import as_fp32, commit, f32, shaped_like, step_taken, unscaled_fp32
 from .._op_registry import define
 from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer
 
@@ -68,9 +68,7 @@ def fused_sgd_(
         return
     grads, momentum_buffers, model_params = (shaped_like(t, params) for t in (grads, momentum_buffers, model_params))
     lr, momentum, weight_decay = f32(lr), f32(momentum), f32(weight_decay)
-    grad = as_fp32(grads)
-    if inv_scale is not None:
-        grad = torch._foreach_mul(grad, inv_scale.reshape(()))
+    grad = unscaled_fp32(grads, inv_scale)
     param = as_fp32(params)
     if weight_decay != 0.0 and not wd_after_momentum:
         grad = torch._foreach_add(grad, torch._foreach_mul(param, weight_decay))
