@@ -270,6 +270,32 @@ def test_a_model_recreated_after_training_is_reported_by_an_in_place_pass(caplog
     assert [r for r in caplog.records if "produced no gradient" in r.getMessage()]
 
 
+@pytest.mark.parametrize("opt_level", ["O0", "O3"])
+def test_a_trainer_loop_over_zeroed_gradients_trains_as_plain_torch_and_warns_of_nothing(opt_level, caplog):
+    # The Hugging Face Trainer's way: gradients cleared through the model to zeros (not None),
+    # two accumulated passes per step, clipping through amp.master_params, then the step. The
+    # passes add to gradients that were there before them: never "no gradient reached".
+    model, optimizer = _amp_setup(opt_level, torch.optim.SGD)
+    plain = copy.deepcopy(model)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="apex_amp"):
+        for step in range(3):
+            model.zero_grad(set_to_none=False)
+            plain.zero_grad(set_to_none=False)
+            for seed in (2 * step, 2 * step + 1):
+                with amp.scale_loss(_loss(model, seed), optimizer) as scaled_loss:
+                    assert _lifecycle(optimizer)._open_pass.in_place
+                    scaled_loss.backward()
+                _loss(plain, seed).backward()
+            torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.5)
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+            optimizer.step()
+            plain_optimizer.step()
+    assert not [r for r in caplog.records if "produced no gradient" in r.getMessage()]
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_a_scale_set_on_an_o0_run_leaves_the_in_place_path_and_unscales():
     model, optimizer = _amp_setup("O0", loss_scale=128.0)
     reference = copy.deepcopy(model)
