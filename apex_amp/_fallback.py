@@ -117,9 +117,26 @@ def _fake_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> 
 def unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     _fake_unscale(grads, found_inf, inv_scale)
     check.disjoint_within("unscale_", grads=grads)
-    if grads:
-        # Exactly this op: grads *= inv_scale in fp32, found_inf := 1 on an inf/NaN grad (before scaling).
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    # Exactly this op: grads *= inv_scale in fp32, found_inf := 1 on an inf/NaN grad (before
+    # scaling). torch's CUDA kernel has no bf16 (its dispatch is float, double and half; seen on
+    # torch 2.11 on an H200), so bf16 CUDA grads take the same two steps written out.
+    by_torch = [g for g in grads if not _torch_cannot_unscale(g)]
+    if by_torch:
+        torch._amp_foreach_non_finite_check_and_unscale_(by_torch, found_inf, inv_scale)
+    written_out = [g for g in grads if _torch_cannot_unscale(g)]
+    if written_out:
+        unscale_written_out_(written_out, found_inf, inv_scale)
+
+
+def _torch_cannot_unscale(grad: Tensor) -> bool:
+    return grad.is_cuda and grad.dtype == torch.bfloat16
+
+
+def unscale_written_out_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """``unscale_`` without torch's fused op: the probe of check_finite, then one fp32 multiply per
+    element (foreach ops compute half types in fp32 and round once, as the kernels do)."""
+    _flag_nonfinite(found_inf, grads)
+    torch._foreach_mul_(grads, inv_scale.reshape(()))
 
 
 # ---- scale_ and axpby_ ----------------------------------------------------------------------

@@ -193,3 +193,22 @@ def test_check_finite_and_unscale_see_a_bad_element_at_every_chunk_edge(amp_ops,
     expected = ref.unscale(grads, 0.5)
     amp_ops.unscale_(grads, ref.flag(0.0, device), ref.flag(0.5, device))
     torch.testing.assert_close(grads[0], expected[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", (None, *BAD_VALUES))
+@pytest.mark.parametrize("inv_scale", (1.0 / 3.0, 2.0**-16))
+def test_written_out_unscale_is_torchs_fused_unscale_bit_for_bit(inv_scale, bad):
+    # The fallback's unscale_ takes this path where torch's fused op has no kernel (bf16 on CUDA):
+    # on the CPU, where torch's op has one, the two must agree exactly, flag included.
+    from apex_amp import _fallback
+
+    grads = ref.random_tensors([*ref.EDGE_SIZES, ref.MULTI_CHUNK_SIZE], ref.FLOAT_DTYPES, seed=6, scale=1e4)
+    if bad is not None:
+        grads[-1][5] = bad
+    expected = [g.clone() for g in grads]
+    expected_found, found = ref.flag(0.0, "cpu"), ref.flag(0.0, "cpu")
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, expected_found, ref.flag(inv_scale, "cpu"))
+    _fallback.unscale_written_out_(grads, found, ref.flag(inv_scale, "cpu"))
+    assert found.item() == expected_found.item() == (0.0 if bad is None else 1.0)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
