@@ -135,7 +135,8 @@ RULES: tuple[OpRule, ...] = (
     _fp32("cumprod", "cumprod", inplace=("cumprod_",), native=_CUDA),
     _fp32("norm, linalg.norm, linalg.vector_norm, linalg.matrix_norm", "norm.Scalar", "norm.ScalarOpt_dim",
           "linalg_vector_norm", "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "frobenius_norm.dim",
-          "nuclear_norm", "nuclear_norm.dim", native=_CUDA),
+          # Not native on CUDA: torch's policy left linalg.matrix_norm in half there (torch 2.11, H200).
+          "nuclear_norm", "nuclear_norm.dim"),
     _fp32("var, std, var_mean, std_mean", "var", "var.dim", "var.correction", "std", "std.dim",
           "std.correction", "var_mean.correction", "std_mean.correction"),
     _fp32("dist", "dist", native=_CUDA),
@@ -146,7 +147,7 @@ RULES: tuple[OpRule, ...] = (
           "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
           "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d", "upsample_trilinear3d",
           "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa", native=_CUDA),
-    _fp32("grid_sample", "grid_sampler", native=_BOTH),
+    _fp32("grid_sample", "grid_sampler", native=_CPU),  # torch's CUDA policy promotes it (half stays half)
     # every loss of torch.nn.functional
     _fp32("cross_entropy", "cross_entropy_loss", native=_CPU),
     _fp32("nll_loss", "nll_loss", "nll_loss2d", native=_BOTH),
