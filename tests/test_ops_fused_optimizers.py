@@ -141,7 +141,7 @@ class Lamb(Harness):
     def call(self, amp_ops, grads, inv_scale=None, found_inf=None):
         o = self.options
         # The optimizer hands the op the norm of the gradients as they are (still scaled).
-        grad_norm = ref.flag(ref.l2norm(grads)[0])
+        grad_norm = ref.flag(ref.l2norm(grads)[0], self.params[0].device)
         amp_ops.fused_lamb_(self.params, grads, self.states["exp_avgs"], self.states["exp_avg_sqs"],
                             self.model_params, self.step, grad_norm, o["lr"], o["beta1"], o["beta2"], o["eps"],
                             o["weight_decay"], o["bias_correction"], o["grad_averaging"], o["adam_w_mode"],
