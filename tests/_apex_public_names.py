@@ -75,6 +75,7 @@ APEX_PUBLIC_NAMES = {
                                                      "DenseNoBiasFunc", "FusedDenseGeluDenseFunc"]),
     # apex's __init__ imports apex.transformer (and nothing of apex.contrib): their names are
     # Megatron's and apex.contrib's, refused as whole modules.
-    "apex.transformer": _refused("megatron.core", ["amp", "functional", "parallel_state", "pipeline_parallel",
-                                                   "tensor_parallel", "utils", "LayerType", "AttnType", "AttnMaskType"]),
+    "apex.transformer": _refused("megatron.core", [
+        "amp", "functional", "parallel_state", "pipeline_parallel", "tensor_parallel", "utils", "LayerType",
+        "AttnType", "AttnMaskType"]),
 }

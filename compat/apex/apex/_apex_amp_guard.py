@@ -23,7 +23,8 @@ import re
 from collections.abc import Iterable
 from importlib.machinery import EXTENSION_SUFFIXES, PathFinder
 
-__all__ = ["MARKER", "AMP_C_MARKER", "COMPAT_MODULE_MARKERS", "ApexShadowingError", "other_apex_installations", "refuse_if_shadowing"]
+__all__ = ["MARKER", "AMP_C_MARKER", "COMPAT_MODULE_MARKERS", "ApexShadowingError", "other_apex_installations",
+           "refuse_if_shadowing"]
 
 MARKER = "_apex_amp_guard.py"
 # NVIDIA apex's compiled modules that the compat distribution rebuilds as packages, each with the

@@ -180,7 +180,7 @@ def _mixed_affine(layer: str, kwargs: dict) -> None:
 
 
 class MixedFusedLayerNorm(FusedLayerNorm):
-    """apex's ``MixedFusedLayerNorm``: :class:`FusedLayerNorm` whose result takes the weight's dtype (Megatron's fp32 weights).
+    """apex's ``MixedFusedLayerNorm``: :class:`FusedLayerNorm` whose result takes the weight's dtype.
 
     Example::
 
