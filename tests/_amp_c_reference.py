@@ -144,6 +144,25 @@ def lamb(grads: list[Tensor], params: list[Tensor], ms: list[Tensor], vs: list[T
     return new_params, new_ms, new_vs
 
 
+def lamb_stage1(grad: Tensor, param: Tensor, m: Tensor, v: Tensor, *, decay: float, step: int, beta1: float,
+                beta2: float, eps: float, grad_norm: float, max_grad_norm: float) -> tuple[Tensor, Tensor, Tensor]:
+    """LAMBStage1Functor for one tensor: returns (update, m, v) in fp32; the corrections use step + 1."""
+    clip = grad_norm / max_grad_norm if grad_norm > max_grad_norm else 1.0
+    bc1, bc2 = 1 - beta1 ** (step + 1), 1 - beta2 ** (step + 1)
+    g = grad.double() / clip
+    m = m.double() * beta1 + (1 - beta1) * g
+    v = v.double() * beta2 + (1 - beta2) * g * g
+    update = (m / bc1) / (torch.sqrt(v / bc2) + eps) + decay * param.double()
+    return update.float(), m.float(), v.float()
+
+
+def lamb_stage2(param: Tensor, update: Tensor, *, param_norm: float, update_norm: float, lr: float,
+                trust: bool) -> Tensor:
+    """LAMBStage2Functor for one tensor: param - ratio * update (the update in the param's dtype first), fp32."""
+    ratio = lr * (param_norm / update_norm) if trust and param_norm != 0 and update_norm != 0 else lr
+    return (param.double() - ratio * update.to(param.dtype).double()).float()
+
+
 def update_scale_hysteresis(scale: float, growth: int, hysteresis_left: int, found_inf: float, *,
                             growth_factor: float, backoff_factor: float, growth_interval: int,
                             hysteresis: int) -> tuple[float, int, int]:

@@ -237,6 +237,69 @@ def lamb_mp_updates_masters_and_model_copy_and_skips_on_the_flag():
         assert int(buf) == 0
 
 
+@check
+def lamb_stages_match_apex_and_leave_the_flag_alone():
+    # DLE BERT's lists: fp32 grads, params and moments, an fp16 update buffer for one of them.
+    grads, params, ms, vs = _lamb_lists(torch.float32)
+    updates = [torch.empty_like(params[0]), torch.empty_like(params[1], dtype=torch.float16)]
+    decays = torch.tensor([0.01, 0.0])
+    for norm, max_norm in ((torch.tensor([0.5]), 1.0), (torch.tensor([8.0]), 2.0), (3.0, 1.0)):
+        lists = clones(grads, params, ms, vs, updates)
+        for buf_value in (0, 1):
+            buf = flag(buf_value)
+            run = clones(*lists)
+            multi_tensor_applier(amp_C.multi_tensor_lamb_stage1_cuda, buf, run, decays, 4, 0.9, 0.999, 1e-6, norm,
+                                 max_norm)
+            assert int(buf) == buf_value  # neither read nor set
+            for i in range(2):
+                update, m, v = ref.lamb_stage1(grads[i], params[i], ms[i], vs[i], decay=float(decays[i]), step=4,
+                                               beta1=0.9, beta2=0.999, eps=1e-6, grad_norm=float(norm),
+                                               max_grad_norm=max_norm)
+                assert_close(run[4][i], update.to(updates[i].dtype), **HALF_TOLERANCE[updates[i].dtype])
+                assert_close((run[2][i], run[3][i]), (m, v), **HALF_TOLERANCE[torch.float32])
+            unchanged(grads + params, run[0] + run[1])
+    param_norms = torch.tensor([2.0, 0.0])
+    update_norms = torch.tensor([0.5, 3.0])
+    for weight_decay, use_nvlamb in ((None, None), (0.01, False), (0.0, False), (0.0, True)):
+        for update_dtype in (torch.float32, torch.float16):
+            params_now = [p.clone() for p in params]
+            update_list = [randn(*s, seed=40 + i).to(update_dtype) for i, s in enumerate(SIZES)]
+            extra = () if weight_decay is None else (weight_decay, use_nvlamb)
+            buf = flag()
+            multi_tensor_applier(amp_C.multi_tensor_lamb_stage2_cuda, buf, [params_now, update_list], param_norms,
+                                 update_norms, 0.1, *extra)
+            trust = weight_decay is None or use_nvlamb or weight_decay != 0
+            expected = [ref.lamb_stage2(p, u, param_norm=float(pn), update_norm=float(un), lr=0.1, trust=trust)
+                        for p, u, pn, un in zip(params, update_list, param_norms, update_norms)]
+            assert_close(params_now, expected, **HALF_TOLERANCE[torch.float32])
+            assert int(buf) == 0
+
+
+@check
+def lamb_stages_propagate_inf_and_check_their_arguments():
+    grads, params, ms, vs = _lamb_lists(torch.float32)
+    grads[0][3] = float("inf")
+    updates = [torch.empty_like(p) for p in params]
+    buf = flag()
+    multi_tensor_applier(amp_C.multi_tensor_lamb_stage1_cuda, buf, [grads, params, ms, vs, updates],
+                         torch.zeros(2), 0, 0.9, 0.999, 1e-6, torch.ones(1), 1.0)
+    assert not torch.isfinite(updates[0]).all() and torch.isfinite(updates[1]).all() and int(buf) == 0
+    for bad in (torch.zeros(1), [0.01, 0.0], torch.zeros(2, dtype=torch.float64)):
+        try:
+            multi_tensor_applier(amp_C.multi_tensor_lamb_stage1_cuda, flag(), [grads, params, ms, vs, updates], bad,
+                                 0, 0.9, 0.999, 1e-6, torch.ones(1), 1.0)
+        except TypeError as error:
+            assert "per_tensor_decay" in str(error) and "one entry per tensor (2)" in str(error), str(error)
+        else:
+            raise AssertionError(f"per_tensor_decay={bad!r} was accepted")
+    try:
+        multi_tensor_applier(amp_C.multi_tensor_lamb_stage2_cuda, flag(), [params], torch.ones(2), torch.ones(2), 0.1)
+    except ValueError as error:
+        assert "takes 2" in str(error), str(error)
+    else:
+        raise AssertionError("stage 2 with one list was accepted")
+
+
 class KernelLAMB(torch.optim.Optimizer):
     """LAMB on amp_C, as apex's reference optimizers call it: the global gradient norm blended from
     one ``multi_tensor_l2norm`` per dtype, then ``multi_tensor_lamb`` per dtype."""

@@ -8,11 +8,12 @@ tree of the apex_amp these tests imported, so that the venv imports that one (a 
 test) even where the project venv's editable install points at another checkout: the editable
 finder only answers after the path entries. Its own site-packages comes first on sys.path, so
 what pip installs there is what gets imported. The compat distribution installs
-from the local folder with ``--no-deps --no-build-isolation --no-index``: no network.
+from a clean copy of the local folder with ``--no-deps --no-build-isolation --no-index``: no network.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -43,8 +44,17 @@ def site_packages_of(python: Path) -> Path:
 
 
 def pip_install_compat(python: Path) -> subprocess.CompletedProcess:
+    """Install the compat distribution from a clean copy of compat/apex beside the venv.
+
+    pip builds a local folder in place, and setuptools never empties the folder's ``build/``:
+    a module removed from the sources (or added on another branch) would still be packaged
+    from there. The copy leaves ``build/`` and ``*.egg-info`` behind.
+    """
+    source = python.parents[2] / "compat-apex-source"
+    shutil.rmtree(source, ignore_errors=True)
+    shutil.copytree(COMPAT, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     return subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-                           "--disable-pip-version-check", str(COMPAT)],
+                           "--disable-pip-version-check", str(source)],
                           capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
 
 

@@ -46,6 +46,8 @@ CHECKS = [
     "lamb_matches_apex_for_modes_decay_and_nvlamb",
     "lamb_steps_whatever_the_flag_and_sets_it_on_inf",
     "lamb_mp_updates_masters_and_model_copy_and_skips_on_the_flag",
+    "lamb_stages_match_apex_and_leave_the_flag_alone",
+    "lamb_stages_propagate_inf_and_check_their_arguments",
     "reference_lamb_on_amp_c_trains_like_fused_lamb",
 ]
 

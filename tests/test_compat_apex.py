@@ -46,8 +46,8 @@ unavailable = _load_by_path("_compat_apex_unavailable_under_test", COMPAT / "ape
 IMPORTS = {
     "from apex.amp import initialize, scale_loss, master_params": (None, ""),
     "from apex.parallel.distributed import DistributedDataParallel": (None, ""),
-    "import apex.normalization": ("ModuleNotFoundError", "torch.nn.LayerNorm"),
-    "from apex.normalization.fused_layer_norm import fused_layer_norm_affine": ("ModuleNotFoundError", "torch.nn.LayerNorm"),
+    "import apex.normalization": (None, ""),
+    "from apex.normalization.fused_layer_norm import fused_layer_norm_affine": (None, ""),
     "from apex.fp16_utils import FP16_Optimizer": ("ModuleNotFoundError", "opt_level='O2'"),
     "from apex.multi_tensor_apply import multi_tensor_applier; import amp_C": (None, ""),
     "from apex.multi_tensor_apply.multi_tensor_apply import MultiTensorApply": (None, ""),
@@ -55,16 +55,18 @@ IMPORTS = {
     "import apex.contrib.bottleneck": ("ModuleNotFoundError", "torch.compile"),
     "from apex.transformer import parallel_state": ("ModuleNotFoundError", "megatron.core"),
     "from apex.optimizers import FusedSGD, FusedLAMB, FusedNovoGrad, FusedAdagrad, FusedMixedPrecisionLamb": (None, ""),
-    "import amp_C; amp_C.multi_tensor_lamb_stage1_cuda": ("AttributeError", "amp_C.multi_tensor_lamb"),
+    "import amp_C; amp_C.multi_tensor_lamb_stage1_cuda, amp_C.multi_tensor_lamb_stage2_cuda": (None, ""),
+    "import apex_C; from apex.parallel.distributed import flat_dist_call": (None, ""),
+    "from apex.amp import init, half_function, float_function, promote_function": (None, ""),
     "from apex.optimizers import FusedLARC": ("ImportError", "cannot import name"),
     "from apex.parallel.LARC import LARC; import apex_amp; assert LARC is apex_amp.optimizers.LARC": (None, ""),
-    "from apex.parallel import Reducer": ("ImportError", "no_sync()"),
+    "from apex.parallel import Reducer": (None, ""),
     "import apex.parallel.multiproc": ("ModuleNotFoundError", "torchrun"),
     "from apex.amp import _amp_state": (None, ""),
     "from apex.amp._amp_state import _amp_state": (None, ""),
     "import apex.amp.handle": ("ModuleNotFoundError", "public API"),
-    "apex.normalization": ("AttributeError", "torch.nn.LayerNorm"),
-    "assert not hasattr(apex.parallel, 'Reducer')": (None, ""),
+    "apex.fp16_utils": ("AttributeError", "opt_level='O2'"),
+    "assert not hasattr(apex, 'fp16_utils')": (None, ""),
 }
 
 
@@ -222,7 +224,7 @@ def _import_from_source_with(other: Path, statement: str = "import apex") -> sub
                           timeout=TIMEOUT_S, cwd=ROOT)
 
 
-@pytest.mark.parametrize("statement", ["import apex", "import amp_C"])
+@pytest.mark.parametrize("statement", ["import apex", "import amp_C", "import apex_C"])
 @pytest.mark.parametrize("kind", ["package and metadata", "metadata only", "compiled module only"])
 def test_import_refuses_when_another_apex_is_on_the_path(tmp_path, kind, statement):
     other = _fake_nvidia_apex(tmp_path / "nvidia", package=kind == "package and metadata",
@@ -270,6 +272,19 @@ def test_guard_passes_the_compat_amp_c_and_refuses_any_other(tmp_path):
                      f"NVIDIA apex's compiled module `amp_C` at {behind / 'amp_C.abi3.so'}"]
 
 
+def test_guard_passes_the_compat_apex_c_and_refuses_nvidias(tmp_path):
+    marker = guard.COMPAT_MODULE_MARKERS["apex_C"]
+    assert (COMPAT / "apex_C" / marker).is_file()  # the marker the guard looks for is real
+    ours = tmp_path / "ours"
+    (ours / "apex_C").mkdir(parents=True)
+    (ours / "apex_C" / "__init__.py").write_text("")
+    (ours / "apex_C" / marker).write_text("")
+    assert guard.other_apex_installations([str(ours)]) == []
+    (ours / "apex_C.cpython-311-x86_64-linux-gnu.so").write_text("")  # NVIDIA's, hidden behind ours
+    assert guard.other_apex_installations([str(ours)]) == [
+        f"NVIDIA apex's compiled module `apex_C` at {ours / 'apex_C.cpython-311-x86_64-linux-gnu.so'}"]
+
+
 def test_guard_names_each_kind_of_other_apex(tmp_path):
     other = _fake_nvidia_apex(tmp_path / "nvidia", extension=True)
     found = guard.other_apex_installations([str(other)])
@@ -293,7 +308,7 @@ def test_install_refuses_an_environment_with_nvidia_apex_and_leaves_it_alone(tmp
 # --- the table of unavailable parts -----------------------------------------------------------
 
 def test_every_unavailable_entry_names_a_replacement():
-    for name, message in {**unavailable.UNAVAILABLE_MODULES, **unavailable.UNAVAILABLE_NAMES}.items():
+    for name, message in unavailable.UNAVAILABLE_MODULES.items():
         assert re.search(r"use |apex\.parallel\.SyncBatchNorm", message), name
 
 

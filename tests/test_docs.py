@@ -35,6 +35,8 @@ API_PAGES = {
     "apex_amp.ops": "api/ops.html",
     "apex_amp.integrations.lightning": "api/integrations.html",
     "apex.parallel": "api/compat_apex.html",
+    "apex.normalization": "api/compat_apex.html",
+    "apex_C": "api/compat_apex.html",
 }
 
 

@@ -31,6 +31,7 @@ from .sharded_checkpoint import checkpoint_state
 from .opt_levels import OPT_LEVELS
 from ..fp8 import Fp8Recipe
 from . import _amp_state  # noqa: F401  apex's private state object, which clients read and set (not in __all__)
+from .apex_private import init  # noqa: F401  apex's first API: exists for scripts that bind it, raises when called
 
 __all__ = [
     "initialize",

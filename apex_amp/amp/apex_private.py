@@ -10,7 +10,10 @@ object, and code written for it reads them:
   and ``optimizer._amp_stash.lazy_init_called = True``, and set
   ``amp._amp_state.loss_scalers[0]._loss_scale = 2**20`` after ``initialize``;
 * loggers read ``amp._amp_state.loss_scalers[i].loss_scale()`` and
-  ``amp._amp_state.opt_properties.options``.
+  ``amp._amp_state.opt_properties.options``;
+* NVIDIA's BERT ``run_pretraining.py`` all-reduces the gradients itself, has its amp_C kernels
+  write an overflow into its own buffer, puts that buffer in the scaler's ``_overflow_buf`` and
+  calls ``update_scale()``, which backs the scale off (or grows it) and says whether to skip.
 
 Here these are views: an ``initialize`` with ``enabled=True`` puts an
 :class:`AmpStash` on each optimizer (the one attribute apex_amp sets on a user
@@ -21,6 +24,7 @@ every value is read from, or written through, the session that owns it.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -31,7 +35,8 @@ from .gradients import GradLifecycle, GradState
 from .loss_scaler import LossScaler
 from .recipe import Recipe
 
-__all__ = ["AmpStash", "attach_stash", "LossScalerView", "PropertiesView", "loss_scaler_views", "opt_properties"]
+__all__ = ["AmpStash", "attach_stash", "LossScalerView", "PropertiesView", "loss_scaler_views", "opt_properties",
+           "init"]
 
 _STASH = "_amp_stash"
 # apex's optimizer methods that its clients call directly; masters are made at initialize here,
@@ -129,11 +134,54 @@ class LossScalerView:
     ``_loss_scale`` and ``_unskipped`` can be set, as NVIDIA's recipes do right after
     ``initialize`` (``amp._amp_state.loss_scalers[0]._loss_scale = 2**20``).
 
-    .. note:: Reading a value is a host read of the device scale (a sync on CUDA).
+    ``_overflow_buf`` and ``update_scale()`` are apex's overflow check by hand: ``_overflow_buf``
+    is a one-element int32 tensor on the scale's device, which apex's kernels (``amp_C``) set to
+    1 when they meet an inf or NaN; a client may replace it with its own buffer, as NVIDIA's BERT
+    does. ``update_scale()`` reads it, updates the scale by amp's own rule (the update a checked
+    backward pass makes: back off on an overflow, grow after ``scale_window`` clean updates,
+    the overflow message), clears the buffer, and returns whether the step should be skipped.
+    The view is one object per scaler, so a buffer set on it stays.
+
+    .. note:: Reading a value is a host read of the device scale (a sync on CUDA); so is
+       ``update_scale()``, which reads the flag (as apex's did).
     """
 
     def __init__(self, scaler: LossScaler) -> None:
         self._scaler = scaler
+        self._overflow_buf = torch.zeros(1, dtype=torch.int32, device=scaler.device)
+
+    def update_scale(self) -> bool:
+        """Account the overflow flag in ``_overflow_buf`` for one step; return whether to skip it.
+
+        apex's ``LossScaler.update_scale``: with the flag set the scale backs off and the step is
+        to be skipped (True); else the clean-step count grows, and the scale with it after
+        ``scale_window`` clean steps. A scaler that does not check gradients (O0, O3 with a
+        static scale) changes nothing and returns False. Unlike apex's, a static scale that
+        checks gradients (O2 with ``loss_scale=128.0``) also returns True on an overflow, as
+        amp's own steps skip then; and the buffer is cleared here (apex cleared it at the next
+        ``scale_loss`` exit).
+
+        Example::
+
+            >>> scaler = amp._amp_state.loss_scalers[0]
+            >>> scaler._overflow_buf = overflow_buf       # set by amp_C kernels on inf/NaN
+            >>> if not scaler.update_scale():
+            ...     optimizer.step()
+        """
+        flag = self._overflow_buf
+        if not isinstance(flag, Tensor) or flag.numel() == 0:
+            raise TypeError("amp._amp_state.loss_scalers[i]._overflow_buf must be a one-element int tensor (apex's "
+                            "torch.cuda.IntTensor([0])) that the amp_C kernels set to 1 on an overflow, got "
+                            f"{type(flag).__name__}")
+        found_inf = (flag.reshape(-1)[:1] != 0).to(device=self._scaler.device, dtype=torch.float32)
+        if not self._scaler.check_finite:
+            flag.zero_()
+            return False
+        overflowed = self._scaler.update(found_inf)
+        if overflowed is None:
+            overflowed = bool(found_inf.item())
+        flag.zero_()
+        return overflowed
 
     def loss_scale(self) -> float:
         return self._scaler.loss_scale()
@@ -190,14 +238,47 @@ class PropertiesView:
         raise AttributeError(f"amp._amp_state.opt_properties has no {name!r}; it has {sorted(options)}")
 
 
+# One view per scaler, living as long as its scaler: a client keeps a view (and the
+# _overflow_buf it set on it) across steps, as it kept apex's scaler object.
+_VIEWS: "weakref.WeakKeyDictionary[LossScaler, LossScalerView]" = weakref.WeakKeyDictionary()
+
+
 def loss_scaler_views() -> list[LossScalerView]:
     """Views of the latest session's loss scalers (empty before ``initialize`` or when disabled)."""
     session = sessions.latest_session()
     if session is None or not session.enabled:
         return []
-    return [LossScalerView(scaler) for scaler in session.scalers]
+    views = []
+    for scaler in session.scalers:
+        view = _VIEWS.get(scaler)
+        if view is None:
+            view = _VIEWS[scaler] = LossScalerView(scaler)
+        views.append(view)
+    return views
 
 
 def opt_properties() -> PropertiesView:
     session = sessions.latest_session()
     return PropertiesView(None if session is None else session.properties)
+
+
+def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True, verbose: bool = False,
+         allow_banned: bool = False) -> None:
+    """apex's first API, ``amp_handle = amp.init()``: not provided; raises, naming what to use instead.
+
+    It exists so that scripts which bind ``amp.init`` (or pass it around) import; calling it
+    raises a RuntimeError. apex's ``init`` patched torch's functions for the whole process and
+    returned a handle (``wrap_optimizer``, ``handle.scale_loss``); apex_amp's O1 is set up per
+    model by ``amp.initialize``.
+
+    Example::
+
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O1")  # instead of amp.init()
+    """
+    raise RuntimeError(
+        "amp.init() is NVIDIA apex's original API (a handle with wrap_optimizer and handle.scale_loss), "
+        "which apex_amp does not provide: use `model, optimizer = amp.initialize(model, optimizer, "
+        "opt_level='O1')` and `with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`"
+        + ("" if enabled else "; for amp.init(enabled=False), leave amp out (or pass enabled=False to "
+           "amp.initialize)")
+    )

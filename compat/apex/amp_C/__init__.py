@@ -9,7 +9,10 @@ optimizers); they take apex's arguments in apex's order and return apex's shapes
 - the loss-scale update ``update_scale_hysteresis``;
 - optimizer kernels: ``multi_tensor_sgd``, ``multi_tensor_adam`` (and ``_capturable``,
   ``_capturable_master``), ``multi_tensor_adagrad``, ``multi_tensor_novograd``,
-  ``multi_tensor_lamb``, ``multi_tensor_lamb_mp``.
+  ``multi_tensor_lamb``, ``multi_tensor_lamb_mp``, and the two LAMB stages
+  ``multi_tensor_lamb_stage1_cuda`` / ``multi_tensor_lamb_stage2_cuda`` (plain PyTorch).
+
+That is every function of apex's ``amp_C`` (csrc/amp_C_frontend.cpp at its last amp commit).
 
 apex's convention: the first argument is a chunk size (checked, but apex_amp's kernels choose
 their own chunks), the second an int32 ``noop_flag`` on the tensors' device, the third a list
@@ -49,6 +52,7 @@ def _refuse_if_shadowing() -> None:
 _refuse_if_shadowing()
 
 from ._lamb_novograd import multi_tensor_lamb, multi_tensor_lamb_mp, multi_tensor_novograd  # noqa: E402
+from ._lamb_stages import multi_tensor_lamb_stage1_cuda, multi_tensor_lamb_stage2_cuda  # noqa: E402
 from ._lists import (multi_tensor_axpby, multi_tensor_l2norm, multi_tensor_l2norm_mp,  # noqa: E402
                      multi_tensor_l2norm_scale, multi_tensor_scale, multi_tensor_unscale_l2norm,
                      update_scale_hysteresis)
@@ -60,17 +64,5 @@ __all__ = [
     "multi_tensor_l2norm_scale", "multi_tensor_unscale_l2norm", "update_scale_hysteresis",
     "multi_tensor_sgd", "multi_tensor_adam", "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master",
     "multi_tensor_adagrad", "multi_tensor_novograd", "multi_tensor_lamb", "multi_tensor_lamb_mp",
+    "multi_tensor_lamb_stage1_cuda", "multi_tensor_lamb_stage2_cuda",
 ]
-
-# apex's kernels that are not rebuilt here, with what to call instead.
-_NOT_PROVIDED = {
-    "multi_tensor_lamb_stage1_cuda": "amp_C.multi_tensor_lamb (both LAMB stages in one call)",
-    "multi_tensor_lamb_stage2_cuda": "amp_C.multi_tensor_lamb (both LAMB stages in one call)",
-}
-
-
-def __getattr__(name: str):
-    if name in _NOT_PROVIDED:
-        raise AttributeError(f"amp_C.{name} is not provided by apex_amp's compat distribution: use "
-                             f"{_NOT_PROVIDED[name]}, or apex_amp.optimizers.FusedLAMB", name=name)
-    raise AttributeError(f"module 'amp_C' has no attribute {name!r}", name=name)

@@ -10,9 +10,15 @@ that imports apex itself and cannot be edited, such as the Hugging Face Trainer
 - ``apex.multi_tensor_apply.multi_tensor_applier`` and the top-level ``amp_C`` module run apex's
   kernel calls (clipping norms, scaling, the optimizer kernels) on apex_amp's ops;
 - ``apex.parallel.DistributedDataParallel``, ``SyncBatchNorm`` and ``convert_syncbn_model`` take
-  apex's arguments on top of torch's DistributedDataParallel and SyncBatchNorm;
-- every other part of NVIDIA apex (``apex.fp16_utils``, ``apex.normalization``, ``apex.contrib``,
-  ...) raises an ImportError that names its replacement.
+  apex's arguments on top of torch's DistributedDataParallel and SyncBatchNorm, and
+  ``apex.parallel.distributed.flat_dist_call`` / ``Reducer`` are apex's flat collectives; the
+  top-level ``apex_C`` is apex's ``flatten`` / ``unflatten``;
+- ``apex.normalization``'s ``FusedLayerNorm`` and ``FusedRMSNorm`` (and ``Mixed*``) are apex's
+  layers on torch's ``layer_norm`` / ``rms_norm``;
+- every other part of NVIDIA apex (``apex.fp16_utils``, ``apex.contrib``, ``apex.transformer``,
+  ...) raises an ImportError that names its replacement, and the names that apex's
+  ``__init__`` files export but that cannot work here (``amp.init``, ``RankInfoFormatter``)
+  exist and raise when called. docs/third_party_apex.md lists every name with its status.
 
 It refuses to import when another apex (NVIDIA's, or any other package of that name) is
 visible too, rather than hide it.
@@ -45,11 +51,13 @@ sys.modules[__name__ + ".amp"] = amp
 sys.modules[__name__ + ".amp._amp_state"] = amp._amp_state  # apex's state object, read and set by clients
 _unavailable.install_finder()
 
-from . import optimizers, parallel  # noqa: E402
+from . import normalization, optimizers, parallel  # noqa: E402
+from ._top_level import (DeprecatedFeatureWarning, RankInfoFormatter, check_cudnn_version_and_warn,  # noqa: E402
+                         deprecated_warning)
 
-__all__ = ["amp", "optimizers", "parallel"]
+__all__ = ["amp", "optimizers", "normalization", "parallel"]
 
 
 def __getattr__(name: str):
-    # apex.normalization, apex.fp16_utils, ... accessed without an import: say what to use instead.
+    # apex.fp16_utils, apex.transformer, ... accessed without an import: say what to use instead.
     raise _unavailable.missing_attribute(__name__, name)

@@ -10,9 +10,9 @@ have neither torch nor apex_amp.
 
 The presence of this file is also the mark of the compat package: an ``apex`` package folder
 that contains a file of this name is this package (an installed copy or the source tree). The
-compat distribution's own ``amp_C`` (apex's kernel module, rebuilt on apex_amp's ops) is marked
-the same way, by :data:`AMP_C_MARKER` in its package folder; NVIDIA's ``amp_C`` is a compiled
-module, never such a folder.
+compat distribution's own ``amp_C`` and ``apex_C`` (apex's compiled modules, rebuilt on apex_amp's
+ops and on torch) are marked the same way, by their entry of :data:`COMPAT_MODULE_MARKERS` in
+their package folders; NVIDIA's are compiled modules, never such folders.
 """
 
 from __future__ import annotations
@@ -23,15 +23,18 @@ import re
 from collections.abc import Iterable
 from importlib.machinery import EXTENSION_SUFFIXES, PathFinder
 
-__all__ = ["MARKER", "AMP_C_MARKER", "ApexShadowingError", "other_apex_installations", "refuse_if_shadowing"]
+__all__ = ["MARKER", "AMP_C_MARKER", "COMPAT_MODULE_MARKERS", "ApexShadowingError", "other_apex_installations",
+           "refuse_if_shadowing"]
 
 MARKER = "_apex_amp_guard.py"
-# The module of the compat package's amp_C that adapts apex's calling convention to apex_amp's ops.
-AMP_C_MARKER = "_apex_amp_adapter.py"
+# NVIDIA apex's compiled modules that the compat distribution rebuilds as packages, each with the
+# file that marks its folder: amp_C's adapter of apex's calling convention, apex_C's flatten.
+COMPAT_MODULE_MARKERS = {"amp_C": "_apex_amp_adapter.py", "apex_C": "_apex_amp_flatten.py"}
+AMP_C_MARKER = COMPAT_MODULE_MARKERS["amp_C"]
 
 # Top-level modules that only NVIDIA apex installs: its compiled extensions. Finding one means
 # NVIDIA apex (or what a partial uninstall left of it) is in the environment; the compat
-# package's own amp_C, a package folder holding AMP_C_MARKER, is the one exception.
+# package's own amp_C and apex_C, package folders holding their markers, are the exceptions.
 NVIDIA_APEX_MODULES = ("amp_C", "apex_C", "syncbn", "fused_layer_norm_cuda", "fused_adam_cuda")
 
 
@@ -56,11 +59,12 @@ def _nvidia_modules_in(folder: str) -> list[str]:
         if spec is None:
             continue
         locations = spec.submodule_search_locations or []
-        if module == "amp_C" and locations and all(_is_compat_folder(loc, AMP_C_MARKER) for loc in locations):
-            # The compat package's own amp_C. A compiled amp_C beside it, which the package hides
+        marker = COMPAT_MODULE_MARKERS.get(module)
+        if marker and locations and all(_is_compat_folder(loc, marker) for loc in locations):
+            # The compat package's own module. A compiled one beside it, which the package hides
             # from imports (a leftover of NVIDIA apex), still counts.
             found.extend((module, os.path.join(folder, name)) for name in sorted(os.listdir(folder))
-                         if name.startswith("amp_C.") and name.endswith(tuple(EXTENSION_SUFFIXES)))
+                         if name.startswith(module + ".") and name.endswith(tuple(EXTENSION_SUFFIXES)))
         elif spec.origin is not None or any(_holds_python_code(location) for location in locations):
             found.append((module, spec.origin or locations[0]))
     return [f"NVIDIA apex's compiled module `{module}` at {path}" for module, path in found]
@@ -91,7 +95,7 @@ def other_apex_installations(search_path: Iterable[str]) -> list[str]:
     Looks for ``apex`` package folders (regular or namespace), ``apex`` distribution metadata
     (``*.dist-info`` / ``*.egg-info``) that does not depend on apex_amp, and NVIDIA apex's
     compiled extension modules (``amp_C``, ``apex_C``, ...; the compat package's own ``amp_C``
-    package, marked by :data:`AMP_C_MARKER`, does not count).
+    and ``apex_C`` packages, marked by :data:`COMPAT_MODULE_MARKERS`, do not count).
 
     Args:
         search_path: folders to look in, as on ``sys.path``; missing folders are skipped.

@@ -1,17 +1,18 @@
 """The parts of NVIDIA apex that the compat package does not provide, each with its replacement.
 
-One table, two kinds of entry: modules (``import apex.normalization``) and names inside a module
-we do provide (``from apex.parallel import Reducer``). Everything that reports a missing
-part reads it from here:
+One table of modules (``import apex.fp16_utils``), each with its replacement; every name that
+apex's ``__init__`` files export from a module the package provides exists (what cannot work
+raises when called, naming its replacement). Everything that reports a missing part reads it
+from here:
 
-- :class:`UnavailableFinder`, first on ``sys.meta_path``, turns an import of a listed module or
-  name into an ``ImportError`` (``ModuleNotFoundError`` for modules) whose message names the
-  replacement. It also refuses every submodule of ``apex.amp``: that name is an alias of
-  ``apex_amp.amp``, and without the finder ``import apex.amp.handle`` would load apex_amp's own
-  ``handle.py`` a second time as a separate module with its own state.
+- :class:`UnavailableFinder`, first on ``sys.meta_path``, turns an import of a listed module
+  into a ``ModuleNotFoundError`` whose message names the replacement. It also refuses every
+  submodule of ``apex.amp``: that name is an alias of ``apex_amp.amp``, and without the finder
+  ``import apex.amp.handle`` would load apex_amp's own ``handle.py`` a second time as a
+  separate module with its own state.
 - :func:`missing_attribute` gives the packages' ``__getattr__`` the same messages as an
-  ``AttributeError``, so ``hasattr(apex.parallel, "Reducer")`` stays ``False`` and
-  ``apex.normalization`` (without an import) still says what to use instead.
+  ``AttributeError``, so ``hasattr(apex, "fp16_utils")`` stays ``False`` and
+  ``apex.fp16_utils`` (without an import) still says what to use instead.
 
 No entry is a stub: nothing listed here can be imported.
 """
@@ -23,7 +24,7 @@ import importlib.machinery
 import sys
 from typing import Optional
 
-__all__ = ["UNAVAILABLE_MODULES", "UNAVAILABLE_NAMES", "UnavailableFinder", "install_finder", "missing_attribute",
+__all__ = ["UNAVAILABLE_MODULES", "UnavailableFinder", "install_finder", "missing_attribute",
            "message_for"]
 
 # Modules of NVIDIA apex (as of 25.05, its last release with amp) that are not provided. An entry
@@ -35,10 +36,6 @@ UNAVAILABLE_MODULES: dict[str, str] = {
         "FP16_Optimizer, network_to_half and the other fp16_utils helpers are not provided: "
         "use apex.amp.initialize(model, optimizer, opt_level='O2') (half model, fp32 master weights, "
         "dynamic loss scaling), or torch.autocast with torch.amp.GradScaler"
-    ),
-    "apex.normalization": (
-        "FusedLayerNorm, FusedRMSNorm and the fused_layer_norm functions are not provided: "
-        "use torch.nn.LayerNorm and torch.nn.RMSNorm (torch.nn.functional.layer_norm / rms_norm)"
     ),
     # One entry for all of apex.contrib: importing apex.contrib.xentropy imports apex.contrib
     # first, so a message of its own would never be seen.
@@ -67,14 +64,6 @@ UNAVAILABLE_MODULES: dict[str, str] = {
     "apex.parallel.sync_batchnorm_kernel": "use apex.parallel.SyncBatchNorm (or torch.nn.SyncBatchNorm)",
 }
 
-# Names inside modules the compat package does provide.
-UNAVAILABLE_NAMES: dict[str, str] = {
-    "apex.parallel.Reducer": (
-        "Reducer is not provided: use apex.parallel.DistributedDataParallel and delay the reduction with "
-        "its no_sync() context, or torch.distributed.all_reduce on the gradients"
-    ),
-}
-
 _AMP_SUBMODULE = (
     "{name} is an internal module of NVIDIA apex's amp and is not provided: apex.amp here is apex_amp.amp, "
     "whose public API (initialize, scale_loss, master_params, state_dict, load_state_dict, disable_casts, "
@@ -100,12 +89,10 @@ def _apex_amp_submodule(fullname: str) -> Optional[str]:
 
 
 def message_for(fullname: str) -> Optional[str]:
-    """The message for an unavailable module or name (dotted), or None if it is not listed."""
+    """The message for an unavailable module (dotted name), or None if it is not listed."""
     amp_module = _apex_amp_submodule(fullname)
     if amp_module is not None:
         return _AMP_SUBMODULE.format(name="apex.amp." + fullname.split(".amp.", 1)[1])
-    if fullname in UNAVAILABLE_NAMES:
-        return UNAVAILABLE_NAMES[fullname]
     module = fullname
     while module:
         if module in UNAVAILABLE_MODULES:
@@ -135,7 +122,7 @@ class _RaisingLoader(importlib.abc.Loader):
 
 
 class UnavailableFinder(importlib.abc.MetaPathFinder):
-    """Finds the listed apex modules and names, with a loader that raises their ImportError.
+    """Finds the listed apex modules (and apex's amp submodules), with a loader that raises their ImportError.
 
     A found spec (rather than ``None``) is what lets the message reach the user: for ``None``
     Python raises its own "No module named ..." instead.
@@ -149,11 +136,10 @@ class UnavailableFinder(importlib.abc.MetaPathFinder):
             return None
         if fullname.startswith("apex_amp.") and importlib.machinery.PathFinder.find_spec(fullname, path) is not None:
             return None  # apex_amp's own module of that name: never stand in its way
-        if fullname in UNAVAILABLE_NAMES or fullname.startswith("apex_amp."):
-            # `from apex.parallel import Reducer` (or `from apex.amp import scaler`) ends
-            # here after the attribute lookup failed; a ModuleNotFoundError would be swallowed by
-            # that import and replaced by Python's generic "cannot import name", so this one is a
-            # plain ImportError.
+        if fullname.startswith("apex_amp."):
+            # `from apex.amp import scaler` ends here after the attribute lookup failed; a
+            # ModuleNotFoundError would be swallowed by that import and replaced by Python's
+            # generic "cannot import name", so this one is a plain ImportError.
             error_type = ImportError
         else:
             error_type = ModuleNotFoundError

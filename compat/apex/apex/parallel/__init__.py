@@ -2,8 +2,10 @@
 
 timm's ``train.py`` imports ``DistributedDataParallel`` and ``convert_syncbn_model`` from here
 in the same ``try`` block as ``from apex import amp``, so these must import and behave as
-apex's did. ``apex.parallel.LARC`` is apex_amp's :class:`~apex_amp.optimizers.LARC`. ``Reducer``
-and ``multiproc`` are not provided: importing one raises an ImportError that names its replacement.
+apex's did. ``apex.parallel.LARC`` is apex_amp's :class:`~apex_amp.optimizers.LARC`;
+``Reducer`` and ``apex.parallel.distributed.flat_dist_call`` are apex's flat collectives on
+torch.distributed. ``multiproc`` is not provided: importing it raises an ImportError that names
+its replacement (torchrun).
 
 Example::
 
@@ -16,12 +18,12 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .._unavailable import missing_attribute
-from .distributed import DistributedDataParallel
+from .distributed import DistributedDataParallel, Reducer
 from .sync_batchnorm import SyncBatchNorm, convert_syncbn_model
 
 ReduceOp = dist.ReduceOp
 
-__all__ = ["DistributedDataParallel", "SyncBatchNorm", "convert_syncbn_model", "create_syncbn_process_group",
+__all__ = ["DistributedDataParallel", "Reducer", "SyncBatchNorm", "convert_syncbn_model", "create_syncbn_process_group",
            "ReduceOp"]
 
 

@@ -1,4 +1,8 @@
-"""apex.parallel.DistributedDataParallel: apex's arguments on torch's DistributedDataParallel."""
+"""apex.parallel.distributed: apex's DistributedDataParallel arguments on torch's, and apex's flat collectives.
+
+``flat_dist_call``, ``Reducer`` and their helpers (apex's module-level names here) live in
+``_flat_calls.py``.
+"""
 
 import inspect
 from dataclasses import dataclass
@@ -8,9 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._flat_calls import (Reducer, apply_flat_dist_call, extract_tensors, flat_dist_call, flatten,
+                          split_by_type, split_half_float_double, unflatten)
 from .sync_batchnorm import SyncBatchNorm
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call", "apply_flat_dist_call", "split_by_type",
+           "split_half_float_double", "flatten", "unflatten", "extract_tensors"]
 
 # apex counts its bucket size in elements, torch in MiB. fp32 gradients (4 bytes) are what apex's
 # default of 1e7 elements was sized for; fp16 buckets come out twice as large, which changes only

@@ -1,0 +1,121 @@
+"""apex's overflow check by hand: ``amp._amp_state.loss_scalers[i]._overflow_buf`` and ``update_scale()``.
+
+NVIDIA's BERT ``run_pretraining.py`` (``--allreduce_post_accumulation``) all-reduces the
+gradients itself, has ``amp_C.multi_tensor_scale`` write an overflow into its own int buffer,
+puts the buffer in the scaler's ``_overflow_buf``, calls ``update_scale()`` and steps only when it
+returns a false value. The scale must then move by amp's own rule, exactly as the same overflows
+met in backward passes move it; and apex's first API ``amp.init`` exists and says what to use.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apex_amp import amp
+
+from _misuse import BF16, small_model, train_step
+
+
+@pytest.fixture(params=[torch.float16, BF16], ids=["fp16", "bf16"])
+def half_dtype(request):
+    return request.param
+
+
+def _initialized(half_dtype, **overrides):
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    amp.initialize(model, optimizer, opt_level="O2", half_dtype=half_dtype, loss_scale="dynamic", verbosity=0,
+                   **overrides)
+    return model, optimizer
+
+
+def test_the_view_is_one_object_per_scaler_with_an_int_buffer_on_the_scales_device(half_dtype):
+    _initialized(half_dtype)
+    scaler = amp._amp_state.loss_scalers[0]
+    assert amp._amp_state.loss_scalers[0] is scaler  # a buffer set on it stays
+    assert scaler._overflow_buf.dtype == torch.int32 and scaler._overflow_buf.tolist() == [0]
+    own = torch.zeros(1, dtype=torch.int)
+    scaler._overflow_buf = own
+    scaler._overfloat_buf = None  # DLE's typo when it "restores" the buffer: an attribute like any other
+    assert amp._amp_state.loss_scalers[0]._overflow_buf is own
+
+
+def test_a_set_flag_backs_the_scale_off_says_skip_and_is_cleared(half_dtype):
+    _initialized(half_dtype)
+    scaler = amp._amp_state.loss_scalers[0]
+    scaler._overflow_buf.fill_(1)
+    assert scaler.update_scale() is True
+    assert amp.loss_scale() == 2.0**15
+    assert scaler._overflow_buf.tolist() == [0]
+    assert amp.state_dict()["loss_scaler0"]["overflows"] == 1
+    assert scaler.update_scale() is False  # cleared: the next update is a clean one
+    assert amp.loss_scale() == 2.0**15 and scaler._unskipped == 1
+
+
+def test_clean_updates_grow_the_scale_after_the_scale_window(half_dtype):
+    _initialized(half_dtype, scale_window=3)
+    scaler = amp._amp_state.loss_scalers[0]
+    for _ in range(2):
+        assert scaler.update_scale() is False
+    assert amp.loss_scale() == 2.0**16
+    assert scaler.update_scale() is False
+    assert amp.loss_scale() == 2.0**17 and scaler._unskipped == 0
+
+
+def test_update_scale_follows_the_same_rule_as_backward_passes(half_dtype):
+    # The same sequence of clean and overflowing updates, once through checked backward passes
+    # and once through update_scale(): the scale and its counters end equal.
+    pattern = [0, 0, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0]
+    model, optimizer = _initialized(half_dtype, scale_window=2, hysteresis=2)
+    for overflow in pattern:
+        optimizer.zero_grad()
+        loss = model(torch.randn(6, 4)).float().pow(2).mean() * (1e38 if overflow else 1.0)
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    by_passes = amp.state_dict()["loss_scaler0"]
+    _initialized(half_dtype, scale_window=2, hysteresis=2)
+    scaler = amp._amp_state.loss_scalers[0]
+    skips = []
+    for overflow in pattern:
+        scaler._overflow_buf.fill_(overflow)
+        skips.append(scaler.update_scale())
+    assert amp.state_dict()["loss_scaler0"] == by_passes
+    assert skips == [bool(overflow) for overflow in pattern]
+
+
+def test_a_scaler_that_checks_nothing_changes_nothing(half_dtype):
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, optimizer, opt_level="O3", half_dtype=half_dtype, verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    scaler._overflow_buf.fill_(1)
+    assert scaler.update_scale() is False
+    assert amp.loss_scale() == 1.0 and scaler._overflow_buf.tolist() == [0]
+
+
+def test_a_step_taken_after_update_scale_trains(half_dtype):
+    model, optimizer = _initialized(half_dtype)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = amp._amp_state.loss_scalers[0]
+    train_step(model, optimizer)
+    assert scaler.update_scale() is False
+    assert any(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+
+
+def test_a_buffer_that_is_not_a_tensor_is_refused(half_dtype):
+    _initialized(half_dtype)
+    scaler = amp._amp_state.loss_scalers[0]
+    scaler._overflow_buf = 0
+    with pytest.raises(TypeError, match="_overflow_buf must be a one-element int tensor"):
+        scaler.update_scale()
+
+
+def test_amp_init_exists_and_names_initialize_when_called():
+    from apex_amp.amp import init  # bound at import, as old scripts do
+
+    with pytest.raises(RuntimeError, match=r"amp\.initialize\(model, optimizer, opt_level='O1'\)"):
+        init()
+    with pytest.raises(RuntimeError, match="leave amp out"):
+        init(enabled=False)
