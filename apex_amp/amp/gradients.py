@@ -26,21 +26,31 @@ model parameters, so ``model.zero_grad()`` never reaches them; because the
 step consumes them, clearing gradients where training loops do (before the
 forward pass or after the step) through the model, through the optimizer, by
 ``p.grad = None``, or not clearing the masters at all gives the same next
-step. Direct parameters keep their ``.grad`` after a step, as in PyTorch.
+step. Direct parameters keep their ``.grad`` after a step, as in PyTorch,
+skipped or not; after a step that may have been skipped, the first event (a
+pass, or a step with no pass in between) checks what it left again
+(``_carry_leftovers``), so no step applies a gradient amp saw non-finite
+until a clear or new gradients replace it.
 
 Between a ``scale_loss`` exit and the step, amp has taken that pass's
 gradients in (into the masters' ``.grad``, or held for the fused step), so
 clearing the model's gradients there does not discard them, as in apex;
-``optimizer.zero_grad()`` does, as in PyTorch (FusedAdam counts its
-``zero_grad`` calls so that held gradients follow). The gradients of a
+``optimizer.zero_grad()`` does, as in PyTorch. The gradients of a
 ``delay_unscale=True`` pass are not taken in until a pass without it: they
-stay on the model, scaled.
+stay on the model, scaled, and a clear through the model or the optimizer
+discards them. What amp keeps where ``optimizer.zero_grad()`` cannot reach
+(held for a fused step, or a delayed accumulation on the half model under
+O2) follows its clears (``grad_clears.py``), ending where PyTorch's
+gradients would after the same clears.
 
 The overflow flag of a pass covers everything the next step will consume:
 the new gradients, and the sums they were added to unless an earlier pass
-since the last step already reported those. So a step is skipped exactly when
-a pass since the previous step reported an overflow (``step_found_inf`` is
-the OR of those flags), and that pass's scaler backed off and logged it.
+since the last step already reported those. So a step is skipped when a pass
+since the previous step reported an overflow, and that pass's scaler backed
+off and logged it, or when the gradients a skipped step left are still not
+finite (``step_found_inf`` is the OR of those flags). A DELAYED accumulation
+is checked when it is taken in, under one flag for every optimizer it covers
+(``AmpSession.take_in_accumulation``): one record, one scale update.
 
 States (``GradState``) and transitions (``_TRANSITIONS``; ``_move`` is the
 only writer of ``state``)::
@@ -185,7 +195,8 @@ class GradLifecycle:
         self._clears = ClearWatch(optimizer)
         # A step that may have been skipped left gradients on direct params: the next event checks them.
         self._leftovers_suspect = False
-        self.step_found_inf: Optional[Tensor] = None  # OR of the checked passes' flags since the last step
+        # OR of the checked passes' flags since the last step, and of what _carry_leftovers found.
+        self.step_found_inf: Optional[Tensor] = None
         self.last_step_found_inf: Optional[Tensor] = None
         self._masters_reconciled = False
         self._open_pass: Optional[_OpenPass] = None
