@@ -179,6 +179,28 @@ def test_a_clear_under_o2_discards_a_delayed_accumulation(kind, clear, set_to_no
             assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("kind", ["SGD", "FusedAdam"])
+def test_an_optimizer_state_dict_round_trip_is_not_taken_for_a_clear(kind):
+    # torch's load_state_dict re-creates what amp watches for zero_grad (grad_clears.py).
+    def run(round_trip):
+        torch.manual_seed(0)
+        model = small_model(batchnorm=True)
+        optimizer = make_optimizer(kind, model.parameters())
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.float16,
+                                          verbosity=0)
+        with amp.scale_loss(loss_of(model, seed=1), optimizer, delay_unscale=True) as scaled_loss:
+            scaled_loss.backward()
+        if round_trip:
+            optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        with amp.scale_loss(loss_of(model, seed=2), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        return list(model.parameters())
+
+    for p, q in zip(run(round_trip=True), run(round_trip=False)):
+        assert torch.equal(p, q)
+
+
 # ---- rule 3: a sequence of clears ends where PyTorch's would ----------------------------------------
 
 

@@ -17,8 +17,9 @@ that is None stays None under a later clear to zero, as in PyTorch) or zeros.
   re-creates the instance attribute ``_zero_grad_profile_name`` (the
   profiler's label) when it is missing: ``arm()`` removes it, so finding it
   again means ``zero_grad`` ran (whether to None or to zero is not known:
-  taken as to None, torch's default). ``tests/test_call_order_state_machine.py``
-  checks that torch still does this. An optimizer whose ``zero_grad`` does not
+  taken as to None, torch's default). ``load_state_dict`` re-creates it too:
+  hooks around it put back what was there before. ``tests/test_call_order_state_machine.py``
+  checks that torch still does both. An optimizer whose ``zero_grad`` does not
   call ``torch.optim.Optimizer.zero_grad`` is not followed.
 """
 
@@ -49,6 +50,18 @@ class ClearWatch:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._counts: Optional[tuple[int, int]] = None  # FusedOptimizer: (grad_clears, clears_to_none) at arm()
+        self._marked_before_load = True
+        if not isinstance(optimizer, FusedOptimizer):
+            # Kept alive by the hooks (the optimizer is only weakly referenced here).
+            optimizer.register_load_state_dict_pre_hook(self._before_load)
+            optimizer.register_load_state_dict_post_hook(self._after_load)
+
+    def _before_load(self, optimizer: torch.optim.Optimizer, _state_dict: dict) -> None:
+        self._marked_before_load = TORCH_ZERO_GRAD_MARK in vars(optimizer)
+
+    def _after_load(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._marked_before_load:  # re-created by the load, not by a zero_grad
+            vars(optimizer).pop(TORCH_ZERO_GRAD_MARK, None)
 
     def arm(self) -> None:
         """Watch from now: what the optimizer's clears did so far does not count."""

@@ -146,10 +146,9 @@ class AmpSession:
                 if delayed is None:
                     lifecycle.settle()
                     continue
-                found_inf = torch.zeros(1, device=self.device)
-                taken = self.take_in_accumulation(delayed, found_inf)
-                if taken is not None:
-                    self.account(taken._replace(found_inf=found_inf))
+                record = self.take_in_accumulation(delayed, torch.zeros(1, device=self.device))
+                if record is not None:
+                    self.account(record)
 
     def take_in_accumulation(self, key: tuple[int, int], found_inf: Tensor) -> Optional[PassRecord]:
         """Check and unscale every DELAYED accumulation of ``key`` (loss_id, scale epoch) into ``found_inf``.
