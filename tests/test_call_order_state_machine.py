@@ -49,7 +49,9 @@ def make_optimizer(kind: str, params):
     if kind == "SGD":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
     if kind == "Adam":
-        return torch.optim.Adam(params, lr=1e-2)
+        # eps=1e-8 is 0 in fp16: torch's Adam on O3's fp16 weights (no masters) would divide by an
+        # underflowed second moment, with or without amp. 1e-4 is a normal fp16 number.
+        return torch.optim.Adam(params, lr=1e-2, eps=1e-4)
     return FusedAdam(params, lr=1e-2)
 
 
@@ -69,12 +71,23 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer):
 
 
 def same(a, b) -> bool:
-    """Nothing changed from ``a`` to ``b``; state a skipped fused step created may exist, all zeros (step 0)."""
+    """Nothing changed from ``a`` to ``b``.
+
+    A skipped fused step may create the state of parameters it sees for the first time: all zeros,
+    and the step count its param group shares (zero, or the group's count so far).
+    """
     (wa, ma, sa), (wb, mb, sb) = a, b
+    old_steps = [value for (_, key), value in sa.items() if key == "step"]
+
+    def unchanged(key, value):
+        if key in sa:
+            return torch.equal(sa[key], value)
+        return not value.any() or (key[1] == "step" and any(torch.equal(value, step) for step in old_steps))
+
     return (all(torch.equal(x, y) for x, y in zip(wa, wb))
             and all(torch.equal(x, y) for x, y in zip(ma, mb))
             and set(sa) <= set(sb)
-            and all(torch.equal(sa[key], value) if key in sa else not value.any() for key, value in sb.items()))
+            and all(unchanged(key, value) for key, value in sb.items()))
 
 
 def all_finite(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
