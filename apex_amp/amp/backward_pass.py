@@ -214,6 +214,11 @@ def _checked_pass(
     )
     checked = [lifecycle for lifecycle in lifecycles if lifecycle.end_pass(scale, found_inf, delay_unscale)]
     if checked:
+        # Accounting ends this scale's accumulation: optimizers an earlier delay_unscale pass of it
+        # covered but this pass did not are taken in now, under the same flag (one update).
+        others = session.take_in_accumulation(scale.key, found_inf)
+        if others is not None:
+            checked += [lifecycle for lifecycle in others.lifecycles if lifecycle not in checked]
         session.account(PassRecord(loss_id, found_inf, tuple(checked), scale.inv_scale))
     if session.properties.patch_torch_functions:
         casting.clear_cache()

@@ -26,21 +26,31 @@ model parameters, so ``model.zero_grad()`` never reaches them; because the
 step consumes them, clearing gradients where training loops do (before the
 forward pass or after the step) through the model, through the optimizer, by
 ``p.grad = None``, or not clearing the masters at all gives the same next
-step. Direct parameters keep their ``.grad`` after a step, as in PyTorch.
+step. Direct parameters keep their ``.grad`` after a step, as in PyTorch,
+skipped or not; after a step that may have been skipped, the first event (a
+pass, or a step with no pass in between) checks what it left again
+(``_carry_leftovers``), so no step applies a gradient amp saw non-finite
+until a clear or new gradients replace it.
 
 Between a ``scale_loss`` exit and the step, amp has taken that pass's
 gradients in (into the masters' ``.grad``, or held for the fused step), so
 clearing the model's gradients there does not discard them, as in apex;
-``optimizer.zero_grad()`` does, as in PyTorch (FusedAdam counts its
-``zero_grad`` calls so that held gradients follow). The gradients of a
+``optimizer.zero_grad()`` does, as in PyTorch. The gradients of a
 ``delay_unscale=True`` pass are not taken in until a pass without it: they
-stay on the model, scaled.
+stay on the model, scaled, and a clear through the model or the optimizer
+discards them. What amp keeps where ``optimizer.zero_grad()`` cannot reach
+(held for a fused step, or a delayed accumulation on the half model under
+O2) follows its clears (``grad_clears.py``), ending where PyTorch's
+gradients would after the same clears.
 
 The overflow flag of a pass covers everything the next step will consume:
 the new gradients, and the sums they were added to unless an earlier pass
-since the last step already reported those. So a step is skipped exactly when
-a pass since the previous step reported an overflow (``step_found_inf`` is
-the OR of those flags), and that pass's scaler backed off and logged it.
+since the last step already reported those. So a step is skipped when a pass
+since the previous step reported an overflow, and that pass's scaler backed
+off and logged it, or when the gradients a skipped step left are still not
+finite (``step_found_inf`` is the OR of those flags). A DELAYED accumulation
+is checked when it is taken in, under one flag for every optimizer it covers
+(``AmpSession.take_in_accumulation``): one record, one scale update.
 
 States (``GradState``) and transitions (``_TRANSITIONS``; ``_move`` is the
 only writer of ``state``)::
@@ -70,6 +80,7 @@ from torch import Tensor
 
 from ..optimizers.fused_optimizer import AmpStepArgs, FusedOptimizer
 from . import _multi_tensor as mt
+from .grad_clears import Cleared, ClearWatch
 from .master_weights import Fp32ValueOf, MasterLink, OptimizerParams, follow_model_layouts, reconcile_masters
 
 __all__ = ["GradState", "PassScale", "PassRecord", "GradLifecycle"]
@@ -120,8 +131,9 @@ class PassScale(NamedTuple):
 class PassRecord(NamedTuple):
     """A checked backward pass for the session to account (agree across ranks, update the scale, log).
 
-    ``settle`` returns one for a DELAYED accumulation it checks, ``scale_loss`` makes one for the
-    lifecycles ``end_pass`` checked; the lifecycle never accounts a pass itself.
+    ``scale_loss`` makes one for the lifecycles ``end_pass`` checked, the session one per DELAYED
+    accumulation it takes in (``AmpSession.take_in_accumulation``: one record for every optimizer
+    the accumulation covers); the lifecycle never accounts a pass itself.
     """
 
     loss_id: int
@@ -179,8 +191,12 @@ class GradLifecycle:
         self.steps = 0  # optimizer.step() calls, taken or skipped
         self.kept_scale: Optional[PassScale] = None  # SCALED, DELAYED, SPENT: the scale the kept gradients carry
         self.held: dict[Tensor, Tensor] = {}  # SCALED: master -> its model param's scaled gradient
-        self._grad_clears: Optional[int] = None  # SCALED: the fused optimizer's zero_grad count when held was filled
-        self.step_found_inf: Optional[Tensor] = None  # OR of the checked passes' flags since the last step
+        # SCALED, DELAYED: the optimizer's zero_grad calls since the gradients were kept off its params.
+        self._clears = ClearWatch(optimizer)
+        # A step that may have been skipped left gradients on direct params: the next event checks them.
+        self._leftovers_suspect = False
+        # OR of the checked passes' flags since the last step, and of what _carry_leftovers found.
+        self.step_found_inf: Optional[Tensor] = None
         self.last_step_found_inf: Optional[Tensor] = None
         self._masters_reconciled = False
         self._open_pass: Optional[_OpenPass] = None
@@ -289,11 +305,13 @@ class GradLifecycle:
         self._check_can_open_pass()
         self.sync_params()
         self._reconcile_masters_once()
+        if self.state is GradState.DELAYED:
+            self._follow_clears()
         if self.state is GradState.DELAYED and self.kept_scale.key == key:
             self._open_pass = _OpenPass(GradState.DELAYED, [], continues_delayed=True)
             self._move(GradState.IN_PASS)
             return
-        if self.settle() is not None:  # settle_for_pass settled every DELAYED accumulation already
+        if self.settle() is not None:  # settle_for_pass took every DELAYED accumulation in already
             raise RuntimeError("apex_amp internal error: a delayed accumulation reached begin_pass unsettled")
         if local_accumulation and self._holds_grads():
             raise RuntimeError(
@@ -305,6 +323,7 @@ class GradLifecycle:
                 "per accumulated step"
             )
         stash = [p.grad for p in self.params.direct]
+        self._carry_leftovers([grad for grad in stash if grad is not None])
         for p in self.params.direct:
             p.grad = None
         for link in self.params.links:
@@ -342,6 +361,7 @@ class GradLifecycle:
         has_old = any(s is not None for s in stash) or any(link.master.grad is not None for link in self.params.links)
         if delay_unscale and not has_old:
             self.kept_scale = scale
+            self._clears.arm()
             self._move(GradState.DELAYED)
             return False
         if self.keeps_scaled and not has_old:
@@ -352,7 +372,7 @@ class GradLifecycle:
                 if link.model_param.grad is not None:
                     self.held[link.master] = link.model_param.grad
                     link.model_param.grad = None
-            self._grad_clears = self._optimizer().grad_clears
+            self._clears.arm()
             self.kept_scale = scale
             self._move(GradState.SCALED)
             return scale.checked
@@ -376,12 +396,18 @@ class GradLifecycle:
         else:
             torch.maximum(self.step_found_inf, found_inf.to(self.step_found_inf.device), out=self.step_found_inf)
 
-    def settle(self) -> Optional[PassRecord]:
+    def delayed_key(self) -> Optional[tuple[int, int]]:
+        """(loss_id, scale epoch) of a DELAYED accumulation (None in the other states)."""
+        return self.kept_scale.key if self.state is GradState.DELAYED else None
+
+    def settle(self, found_inf: Optional[Tensor] = None) -> Optional[PassScale]:
         """Turn kept scaled gradients into true values: SCALED/DELAYED -> UNSCALED, SPENT -> EMPTY.
 
-        A DELAYED accumulation was never checked: it is checked now, and its pass is returned
-        for the caller to account for its own loss. Called before a pass of another scale, before
-        a step, by ``prepare_to_read`` (SCALED and SPENT only) and by the diagnostics; a no-op in
+        A DELAYED accumulation was never checked: it is checked now into ``found_inf`` (the flag
+        of the accumulation, shared by every optimizer it covers; a private one when None) and its
+        scale is returned when checked, for the caller to account once for its own loss
+        (``AmpSession.take_in_accumulation``). Called before a pass of another scale, before a
+        step, by ``prepare_to_read`` (SCALED and SPENT only) and by the diagnostics; a no-op in
         the other states, and inside a running step.
         """
         self._recover_interrupted_step()
@@ -394,7 +420,7 @@ class GradLifecycle:
             self._move(GradState.EMPTY)
             return None
         if self.state is GradState.SCALED:
-            self._follow_zero_grad()
+            self._follow_clears()
             for master, grad in self.held.items():
                 self.params.model_param_of[master].grad = grad
             self.held = {}
@@ -403,12 +429,14 @@ class GradLifecycle:
             self._move(GradState.UNSCALED)
             return None
         if self.state is GradState.DELAYED:
-            found_inf = self._scratch_flag()
+            self._follow_clears()
+            if found_inf is None:
+                found_inf = self._scratch_flag()
             self._absorb([None] * len(self.params.direct), kept, found_inf)
             self.kept_scale = None
             self._move(GradState.UNSCALED)
             if kept.checked:
-                return PassRecord(kept.loss_id, found_inf, (self,), kept.inv_scale)
+                return kept
         return None
 
     def prepare_to_read(self) -> None:
@@ -503,13 +531,15 @@ class GradLifecycle:
         self._reconcile_masters_once()
         if self.state is GradState.SPENT:
             self.settle()  # leftover scaled direct gradients must not reach the step scaled
+        if self.state is GradState.EMPTY:  # no pass since the last step: it may have been skipped
+            self._carry_leftovers([p.grad for p in self.params.direct if p.grad is not None])
         found_inf = self.step_found_inf
         hidden: list[tuple[Tensor, Tensor]] = []
         step_kwargs = None
         if self.fused:
             inv_scale = None
             if self.state is GradState.SCALED:
-                self._follow_zero_grad()
+                self._follow_clears()
                 for master, grad in self.held.items():  # where the fused step reads them
                     self.params.model_param_of[master].grad = grad
                 if not self.kept_scale.unit:
@@ -538,7 +568,12 @@ class GradLifecycle:
             link.master.grad = None
             link.model_param.grad = None
         self.held = {}
-        self.last_step_found_inf, self.step_found_inf = self.step_found_inf, None
+        flag = self.last_step_found_inf = self.step_found_inf
+        self.step_found_inf = None
+        # What the step left on direct params is checked again by the next event if it may have been
+        # skipped (a non-fused skip; a fused step's flag is looked at then, not in the step's hooks,
+        # which torch.compile traces: a tensor compared there would be one more guard).
+        self._leftovers_suspect = flag is not None and (self.fused or bool(opened.hidden))
         self.steps += 1
         if opened.resumes is GradState.SCALED and not self.kept_scale.unit and any(
             p.grad is not None for p in self.params.direct
@@ -569,19 +604,37 @@ class GradLifecycle:
         flag = self.last_step_found_inf
         return flag is not None and bool(flag.item())
 
-    def _follow_zero_grad(self) -> None:
+    def _follow_clears(self) -> None:
         # optimizer.zero_grad() between scale_loss and the step clears the gradients amp took in
-        # (the masters' .grad of a torch optimizer). Gradients held for a fused step are not on the
-        # params, so a FusedOptimizer counts its zero_grad calls (its part of the contract).
-        optimizer = self._optimizer()
-        if optimizer.grad_clears == self._grad_clears:
+        # (the masters' .grad of a torch optimizer) itself. What amp keeps off the optimizer's params,
+        # the gradients held for a fused step (SCALED) and under O2 a delay_unscale accumulation on
+        # the half model (DELAYED), follows the clears as PyTorch's gradients would (grad_clears.py).
+        cleared = self._clears.cleared()
+        if cleared is None:
             return
-        self._grad_clears = optimizer.grad_clears
-        if optimizer.last_clear_set_to_none:
+        if self.state is GradState.DELAYED:
+            for link in self.params.links:
+                if cleared is Cleared.TO_NONE:
+                    link.model_param.grad = None
+                elif link.model_param.grad is not None:
+                    link.model_param.grad.zero_()
+        elif cleared is Cleared.TO_NONE:
             self.held = {}
         else:
             for grad in self.held.values():
                 grad.zero_()
+
+    def _carry_leftovers(self, grads: list[Tensor]) -> None:
+        # The first event after a step that may have been skipped (a pass or another step): the
+        # direct params' gradients it left are checked again, and the next step is skipped while
+        # they are not finite (a clear to zero, to None or a replacement ends it). Their pass was
+        # accounted already: the flag is the step's only, no pass reports it a second time.
+        if not self._leftovers_suspect or self.step_found_inf is not None:
+            return
+        self._leftovers_suspect = False
+        if grads and self.last_step_found_inf is not self._clean_flag:  # (the host's clean flag: taken)
+            self.step_found_inf = self._scratch_flag()
+            mt.check_finite(grads, self.step_found_inf)
 
     # ---- parameters -------------------------------------------------------------------
     def sync_params(self) -> None:

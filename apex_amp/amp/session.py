@@ -133,8 +133,8 @@ class AmpSession:
     def settle_for_pass(self, lifecycles: Sequence[GradLifecycle], loss_id: int) -> None:
         """Before a pass of ``loss_id``: settle every lifecycle that cannot add to its kept gradients in place.
 
-        Settling a DELAYED accumulation checks it, and accounting that pass updates its loss's
-        scale, which can change the key of this very pass: so this repeats until none needs it.
+        Taking a DELAYED accumulation in checks it, and accounting it updates its loss's scale,
+        which can change the key of this very pass: so this repeats until none needs it.
         """
         while True:
             key = (loss_id, self.scalers[loss_id].scale_epoch)
@@ -142,9 +142,32 @@ class AmpSession:
             if not stale:
                 return
             for lifecycle in stale:
-                record = lifecycle.settle()
+                delayed = lifecycle.delayed_key()
+                if delayed is None:
+                    lifecycle.settle()
+                    continue
+                record = self.take_in_accumulation(delayed, torch.zeros(1, device=self.device))
                 if record is not None:
                     self.account(record)
+
+    def take_in_accumulation(self, key: tuple[int, int], found_inf: Tensor) -> Optional[PassRecord]:
+        """Check and unscale every DELAYED accumulation of ``key`` (loss_id, scale epoch) into ``found_inf``.
+
+        The passes of one loss between two updates of its scale are one accumulation, however
+        many optimizers they covered, so every optimizer still holding one is taken in at once and
+        the accumulation is accounted once (by the caller, with the returned record; None when
+        nothing checked was taken in).
+        """
+        taken, inv_scale = [], None
+        for lifecycle in list(self.lifecycles.values()):
+            if lifecycle.delayed_key() == key:
+                kept = lifecycle.settle(found_inf)
+                if kept is not None:
+                    taken.append(lifecycle)
+                    inv_scale = kept.inv_scale
+        if not taken:
+            return None
+        return PassRecord(key[0], found_inf, tuple(taken), inv_scale)
 
     def accumulates_in_fsdp2(self) -> bool:
         """Whether a backward now leaves its gradients inside FSDP2 (``set_requires_gradient_sync(False)``)."""

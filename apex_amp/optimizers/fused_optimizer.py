@@ -13,8 +13,9 @@ The contract with amp is typed: amp's gradient lifecycle recognises a
 ``FusedOptimizer`` and passes :class:`AmpStepArgs` to ``step(amp=...)``
 (the overflow flag, the inverse scale of gradients left scaled, the half
 model parameters of the fp32 masters), so the step unscales as it reads and
-skips on the device. ``grad_clears`` / ``last_clear_set_to_none`` tell amp
-when ``zero_grad`` ran. ``torch.amp.GradScaler`` drives the same step through
+skips on the device. ``grad_clears`` / ``clears_to_none`` (how many
+``zero_grad`` calls, and how many of them set the gradients to None) tell amp
+what a sequence of clears did to the gradients it keeps off the params. ``torch.amp.GradScaler`` drives the same step through
 its own protocol (``_step_supports_amp_scaling``: it sets ``grad_scale`` and
 ``found_inf`` on the optimizer), and apex's ``step(grad_scaler=...)`` works too.
 """
@@ -117,9 +118,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.master_weights = bool(master_weights)
         self.master_dtypes = tuple(master_dtypes)
         # amp keeps gradients it left scaled for the fused step off the params, where zero_grad
-        # cannot reach them; it follows these two to clear them as zero_grad would have.
+        # cannot reach them; it follows these two counts to clear them as the clears would have
+        # (any clear to None since amp took them leaves None, as PyTorch's would: see grad_clears.py).
         self.grad_clears = 0
-        self.last_clear_set_to_none = True
+        self.clears_to_none = 0
         self._batch_plans: dict[int, BatchPlan] = {}  # id(param group) -> its batches (a cache)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -160,7 +162,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         set_to_none = self.set_grad_none if set_to_none is None else bool(set_to_none)
         super().zero_grad(set_to_none=set_to_none)
         self.grad_clears += 1
-        self.last_clear_set_to_none = set_to_none
+        self.clears_to_none += set_to_none
 
     # ---- step ------------------------------------------------------------------------------------
     @torch.no_grad()
