@@ -188,10 +188,9 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 def replicated_state(optimizer: torch.optim.Optimizer, skipped: list[bool]) -> list[tuple[str, Tensor]]:
     named = [(f"amp {section}.{key}", as_tensor(value))
              for section, entries in sorted(amp.state_dict().items()) for key, value in sorted(entries.items())]
-    for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-        step = optimizer.state.get(param, {}).get("step")
-        if step is not None:
-            named.append((f"optimizer step[{index}]", as_tensor(step)))
+    for index, group in enumerate(optimizer.param_groups):  # apex's group step count
+        if "step" in group:
+            named.append((f"optimizer step[{index}]", as_tensor(group["step"])))
     named.append(("skipped steps", torch.tensor(skipped, dtype=torch.uint8)))
     return named
 

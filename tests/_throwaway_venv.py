@@ -58,7 +58,14 @@ def pip_install_compat(python: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
 
 
-def pip_install_pinned(python: Path, requirements: list[str]) -> subprocess.CompletedProcess:
-    """Install exact versions from the package index, without their dependencies (each is listed)."""
+def pip_install_pinned(python: Path, requirements: list[str], *, build_isolation: bool = True,
+                       env: dict | None = None, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Install exact versions from the package index, without their dependencies (each is listed).
+
+    ``build_isolation=False`` builds a source distribution against the venv's own packages (one
+    whose setup.py imports torch, such as DeepSpeed's, would otherwise download torch to build).
+    """
+    isolation = [] if build_isolation else ["--no-build-isolation"]
     return subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
-                           *requirements], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
+                           *isolation, *requirements], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env)

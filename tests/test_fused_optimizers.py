@@ -287,7 +287,7 @@ def test_mixed_precision_lamb_keeps_fp32_masters_and_moments_for_reduced_params(
     state = optimizer.state[next(model.parameters())]
     optimizer.step()
     assert state["master_param"].dtype == state["exp_avg"].dtype == torch.float32
-    assert float(state["step"]) == 11.0  # started from step=10
+    assert float(optimizer.param_groups[0]["step"]) == 11.0  # started from step=10
     assert torch.equal(next(model.parameters()), state["master_param"].to(torch.bfloat16))
 
 

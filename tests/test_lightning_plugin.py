@@ -7,6 +7,7 @@ same batches (no shuffling), with a Trainer on CPU, and is compared with the sam
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import lightning.pytorch as pl
 import pytest
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from apex_amp import amp
+from apex_amp.amp import opt_levels, sessions
 from apex_amp.integrations.lightning import ApexAmpPrecision
 from apex_amp.optimizers import FusedAdam
 
@@ -167,6 +169,31 @@ def test_o2_masters_are_fp32_and_the_trainer_reports_the_precision():
     assert validated < losses[0].new_tensor(module.record["loss"][:4]).mean().item()
 
 
+def test_the_plugin_trains_a_recipe_of_your_own_whole():
+    # O2 in bf16 with a static scale of 4, a scaler window of 3 and half batchnorm: every field
+    # reaches amp's session as written (no plugin or initialize default rewrites one).
+    mine = dataclasses.replace(opt_levels.O2, opt_level="O2-bf16-own", half_dtype=torch.bfloat16,
+                               cast_model_type=torch.bfloat16, keep_batchnorm_fp32=False,
+                               dynamic_loss_scale=False, loss_scale=4.0, scale_window=3, hysteresis=2)
+    plugin = ApexAmpPrecision(mine, verbosity=0)
+    run = trainer(2, plugin)
+    module = Classifier()
+    run.fit(module, batches())
+    assert run.precision == "bf16-mixed"
+    assert sessions.session_for(run.optimizers[0]).properties == mine
+    assert module.net[0].weight.dtype == module.net[1].weight.dtype == torch.bfloat16
+    assert set(module.record["loss_scale"]) == {4.0}
+    losses = module.record["loss"]
+    assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
+
+
+def test_a_recipe_sets_the_precision_lightning_reports():
+    o3_bf16 = opt_levels.resolve_properties("O3", half_dtype=torch.bfloat16)
+    assert ApexAmpPrecision(dataclasses.replace(o3_bf16, opt_level="mine")).precision == "bf16-true"
+    assert ApexAmpPrecision(opt_levels.O1).precision == "16-mixed"
+    assert ApexAmpPrecision(opt_levels.O0, torch.bfloat16).precision == "32-true"
+
+
 @pytest.mark.parametrize("optimizer", ["FusedAdam", "SGD"])
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
 def test_clipping_acts_on_the_unscaled_fp32_master_gradients(manual, optimizer):
@@ -264,7 +291,7 @@ def test_resume_from_a_lightning_checkpoint_is_bitwise_at_o2_fp16_through_an_ove
 
 
 def test_bad_arguments_raise_with_the_fix():
-    with pytest.raises(ValueError, match="'O4' is not one of"):
+    with pytest.raises(ValueError, match="'O4' is not one of .* or an apex_amp.amp.recipe.Recipe"):
         ApexAmpPrecision("O4")
     with pytest.raises(TypeError, match="torch.float16 or torch.bfloat16"):
         ApexAmpPrecision("O2", torch.float32)

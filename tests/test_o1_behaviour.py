@@ -255,19 +255,59 @@ def _autocast_registrations():
             for name in torch._C._dispatch_get_registrations_for_dispatch_key(key)}
 
 
-def test_deactivate_restores_torch_autocast_exactly():
+def test_o1_leaves_torch_autocast_off_and_its_kernels_untouched_and_deactivate_restores_it():
     before = _autocast_registrations()
     settings = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled())
     casting.activate(torch.float16)
     assert casting.is_active()
-    assert torch.is_autocast_enabled("cpu") and torch.is_autocast_enabled("cuda")
+    # As under apex: code outside amp sees no autocast (DeepSpeed's engine reads the flag).
+    assert not torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda")
+    assert not torch.is_autocast_enabled()  # the legacy form, CUDA's
+    assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float16  # yet O1 casts
     assert not torch.is_autocast_cache_enabled()  # our version-checked cache replaces torch's
-    assert len(_autocast_registrations()) > len(before)
+    assert _autocast_registrations() == before  # O1's kernels live at a key of their own
     casting.deactivate()
     assert not casting.is_active()
     assert _autocast_registrations() == before
     assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
             torch.is_autocast_cache_enabled()) == settings
+
+
+def test_autocast_disabled_inside_o1_leaves_o1s_casts_in_force_as_apex(o1):
+    o1(torch.bfloat16)
+    linear = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        y = linear(x)
+        assert y.dtype == torch.bfloat16 and torch.softmax(y, -1).dtype == torch.float32
+    with casting.disable_casts():  # the way out of O1's casts
+        assert linear(x).dtype == torch.float32
+    assert linear(x).dtype == torch.bfloat16
+
+
+def test_a_library_that_reads_the_autocast_flag_gets_o1s_casts(o1):
+    # DeepSpeed >= 0.17.6's engine: when torch's autocast is on outside it, its forward runs
+    # under torch.autocast(enabled=False).
+    o1(torch.float16)
+    linear = torch.nn.Linear(4, 4)
+
+    def engine_forward(x):
+        if torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+                return linear(x), "autocast seen"
+        return linear(x), "no autocast seen"
+
+    out, seen = engine_forward(torch.randn(2, 4))
+    assert (out.dtype, seen) == (torch.float16, "no autocast seen")
+
+
+def test_an_enabled_autocast_inside_o1_adds_torchs_policy(o1):
+    o1(torch.bfloat16)
+    x = torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.nn.Linear(4, 4)(x).dtype == torch.float16  # torch's cast of O1's bf16 inputs
+        assert torch.softmax(x.half(), -1).dtype == torch.float32  # O1's rule still applies
+    assert not torch.is_autocast_enabled("cpu")
 
 
 @pytest.mark.parametrize("cycle", [False, True], ids=["never-activated", "after-deactivate"])

@@ -82,3 +82,86 @@ def test_a_level_of_your_own_is_one_recipe(one_thread):
     mine = run(o2_half_bn)
     reference = run("O2", keep_batchnorm_fp32=False, loss_scale=128.0)
     assert all(torch.equal(a, b) for a, b in zip(mine, reference))
+
+
+# A value for each Recipe field that differs from O2's and still makes a recipe initialize accepts.
+# A new field without an entry here fails the test below: add the field's other value.
+_NOT_O2 = {
+    "opt_level": "O2-every-field", "summary": "O2 with every field changed", "half_dtype": BF16,
+    "cast_model_type": BF16, "patch_torch_functions": True, "keep_batchnorm_fp32": False,
+    "master_weights": False, "dynamic_loss_scale": False, "loss_scale": 8.0, "check_finite": False,
+    "cast_model_outputs": FP16, "min_loss_scale": 0.5, "max_loss_scale": 2.0**20, "scale_window": 7,
+    "hysteresis": 3, "num_losses": 2, "allow_banned": True, "collapse_warn_steps": 4,
+    "collapse_raise_steps": 9, "consecutive_hysteresis": False, "fp8": "an Fp8Recipe",
+    "fp8_refusal": "a refusal of its own",
+}
+
+
+def test_every_field_of_a_custom_recipe_survives_initialize():
+    from apex_amp.amp import sessions
+    from apex_amp.fp8 import Fp8Recipe
+
+    fields = [field.name for field in dataclasses.fields(Recipe)]
+    assert set(fields) == set(_NOT_O2), "give each new Recipe field a value that differs from O2's in _NOT_O2"
+    values = dict(_NOT_O2, fp8=Fp8Recipe(amax_history_len=4))
+    custom = dataclasses.replace(opt_levels.O2, **values)
+    assert all(getattr(custom, name) != getattr(opt_levels.O2, name) for name in fields)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        amp.initialize(model, optimizer, opt_level=custom, verbosity=0)
+        kept = sessions.session_for(optimizer).properties
+        changed = {name: (getattr(kept, name), getattr(custom, name))
+                   for name in fields if getattr(kept, name) != getattr(custom, name)}
+        assert changed == {}, f"initialize replaced these fields (kept, given): {changed}"
+    finally:
+        amp.initialize(nn.Linear(1, 1), opt_level="O0", verbosity=0)  # O1's casting off again
+
+
+def test_only_the_arguments_passed_replace_a_custom_recipes_fields():
+    custom = dataclasses.replace(opt_levels.O2, opt_level="mine", scale_window=7, hysteresis=3, num_losses=2)
+    recipe = opt_levels.resolve_properties(custom, hysteresis=5)
+    assert (recipe.scale_window, recipe.hysteresis, recipe.num_losses) == (7, 5, 2)
+
+
+def test_the_environments_half_dtype_does_not_rewrite_a_custom_recipe(monkeypatch):
+    monkeypatch.setenv("APEX_AMP_HALF_DTYPE", "bfloat16")
+    custom = dataclasses.replace(opt_levels.O2, opt_level="mine", scale_window=7)
+    for opt_level, dtype in ((custom, FP16), ("O2", BF16)):  # a named level still takes it
+        model = nn.Linear(4, 4)
+        model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,
+                                  verbosity=0)
+        assert model.weight.dtype == dtype
+
+
+def test_a_custom_bf16_recipe_trains_in_bf16(one_thread):
+    bf16_o2 = dataclasses.replace(opt_levels.O2, opt_level="O2-bf16", half_dtype=BF16, cast_model_type=BF16,
+                                  dynamic_loss_scale=False, loss_scale=1.0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=bf16_o2, verbosity=0)
+    assert {p.dtype for p in model.parameters()} == {BF16} and amp.loss_scale() == 1.0
+    computed = set()
+    model[0].register_forward_hook(lambda module, inputs, output: computed.add(output.dtype))
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=generator)
+    y = x[:, :1] * 2 - x[:, 1:2]
+    losses = []
+    for _ in range(30):
+        out = model(x)
+        loss = (out - y).pow(2).mean()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert computed == {BF16} and {p.dtype for p in amp.master_params(optimizer)} == {FP32}
+
+
+def test_a_recipe_whose_model_dtype_contradicts_its_half_dtype_is_refused_with_the_fix():
+    # dataclasses.replace moves one field: O2's "half" model dtype stays float16 here.
+    contradictory = dataclasses.replace(opt_levels.O2, half_dtype=BF16, dynamic_loss_scale=False, loss_scale=1.0)
+    with pytest.raises(ValueError, match="cast_model_type=torch.bfloat16"):
+        amp.initialize(nn.Linear(4, 4), opt_level=contradictory, verbosity=0)

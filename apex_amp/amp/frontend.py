@@ -26,8 +26,7 @@ from .master_weights import attach_masters
 from .._dtypes import HALF_DTYPES
 from ..fp8 import Fp8Recipe
 from .opt_levels import recipe_for
-from .overflow_log import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS
-from .overrides import parse_flag, resolve
+from .overrides import LEVELS_OWN, parse_flag, resolve
 from .recipe import Recipe
 from .session import AmpSession
 
@@ -140,13 +139,15 @@ HALF_DTYPE_VARIABLE = "APEX_AMP_HALF_DTYPE"
 _HALF_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _half_dtype(half_dtype: Optional[torch.dtype]) -> torch.dtype:
-    # An explicit argument wins over the environment; the environment over apex's fp16.
-    if half_dtype is not None:
+def _half_dtype(half_dtype: Optional[torch.dtype], opt_level: Any) -> Optional[torch.dtype]:
+    # An explicit argument wins over the environment; the environment over the level's fp16 (None
+    # keeps the recipe's). A Recipe of the user's own states its half dtype: the environment,
+    # meant for scripts written for apex's named levels, does not rewrite it.
+    if half_dtype is not None or isinstance(opt_level, Recipe):
         return half_dtype
     name = os.environ.get(HALF_DTYPE_VARIABLE)
     if name is None or name == "":
-        return torch.float16
+        return None
     if name.strip().lower() not in _HALF_DTYPE_NAMES:
         raise ValueError(
             f"{HALF_DTYPE_VARIABLE}={name!r} is not a half dtype; set it to one of {sorted(_HALF_DTYPE_NAMES)} "
@@ -162,8 +163,8 @@ _FP8_NAMES = {"1": True, "true": True, "delayed": "delayed", "current": "current
 def _fp8_choice(fp8: Any, opt_level: Any) -> Any:
     # An explicit argument wins; APEX_AMP_FP8 turns fp8 on for scripts that never pass it, except at
     # the levels that cannot take it (an fp32 O0 baseline in the same script keeps running).
-    if fp8 is not None:
-        return fp8
+    if fp8 is not None or isinstance(opt_level, Recipe):
+        return fp8  # a Recipe of the user's own states its fp8 (as its half dtype)
     name = os.environ.get(FP8_VARIABLE, "").strip().lower()
     if name not in _FP8_NAMES and name != "":
         raise ValueError(
@@ -232,21 +233,21 @@ def initialize(
     master_weights: Optional[bool] = None,
     loss_scale: Any = None,
     cast_model_outputs: Optional[torch.dtype] = None,
-    num_losses: int = 1,
+    num_losses: Optional[int] = None,
     verbosity: int = 1,
     min_loss_scale: Optional[float] = None,
-    max_loss_scale: float = 2.0**24,
+    max_loss_scale: Optional[float] = None,
     half_dtype: Optional[torch.dtype] = None,
     *,
     skip_nonfinite: bool = False,
-    allow_banned: bool = False,
-    scale_window: int = 2000,
-    hysteresis: int = 1,
-    consecutive_hysteresis: bool = True,
+    allow_banned: Optional[bool] = None,
+    scale_window: Optional[int] = None,
+    hysteresis: Optional[int] = None,
+    consecutive_hysteresis: Optional[bool] = None,
     sync_overflow: Any = None,
     overflow_report: bool = False,
-    collapse_warn_steps: Optional[int] = DEFAULT_COLLAPSE_WARN_STEPS,
-    collapse_raise_steps: Optional[int] = DEFAULT_COLLAPSE_RAISE_STEPS,
+    collapse_warn_steps: Optional[int] = LEVELS_OWN,
+    collapse_raise_steps: Optional[int] = LEVELS_OWN,
     fp8: Any = None,
 ) -> Any:
     """Prepare models and optimizers for mixed precision; returns the same objects.
@@ -259,29 +260,31 @@ def initialize(
         enabled: False returns everything untouched and makes ``scale_loss`` a pass-through.
         opt_level: "O0" (fp32), "O1" (per-op casts), "O2" (half model, fp32 masters), "O3" (half everything),
             or a :class:`apex_amp.amp.recipe.Recipe` of your own (a level is one recipe; see opt_levels.py).
+            Every argument below left at its default keeps the level's (the recipe's) value; only the
+            arguments you pass replace fields, each checked against the level.
         cast_model_type: override of the dtype the model is cast to (O0/O2/O3).
         patch_torch_functions: override of O1's per-op casting (only O1 may enable it).
         keep_batchnorm_fp32: keep batchnorm layers fp32 in a half model (O2/O3).
         master_weights: keep fp32 master weights for the optimizer (O2/O3).
         loss_scale: "dynamic" or a number (strings of numbers too).
         cast_model_outputs: dtype the model's floating outputs are cast to.
-        num_losses: number of losses, each with its own scaler (``loss_id`` in ``scale_loss``).
+        num_losses: number of losses, each with its own scaler (``loss_id`` in ``scale_loss``); 1 at O0-O3.
         verbosity: 0 silences amp's log messages; >= 1 logs the chosen properties once.
         min_loss_scale: floor of a dynamic scale (default 1.0); a normal float32 (not 0, not a denormal).
-        max_loss_scale: cap of a dynamic scale.
+        max_loss_scale: cap of a dynamic scale (2**24 at O0-O3).
         half_dtype: torch.float16 or torch.bfloat16 for every level; with bf16 the
             default scale is a static 1.0, with the gradient checks kept on. None (the
             default): the environment variable ``APEX_AMP_HALF_DTYPE`` ("bfloat16" or
             "float16") if set, else torch.float16 (apex's half), so third-party apex code
-            trains in bf16 without an edit.
+            trains in bf16 without an edit; a ``Recipe`` passed as ``opt_level`` keeps its own.
         skip_nonfinite: check gradients and skip non-finite steps at every level,
             static ones included (O0/O3 do not check by default, as in apex).
         allow_banned: let O1 run functions it bans in half precision (binary_cross_entropy).
-        scale_window: clean steps before a dynamic scale doubles (apex: 2000).
-        hysteresis: overflows tolerated before a dynamic scale backs off (1: at once).
+        scale_window: clean steps before a dynamic scale doubles (apex: 2000, at O0-O3).
+        hysteresis: overflows tolerated before a dynamic scale backs off (1, at O0-O3: at once).
         consecutive_hysteresis: True (apex's rule): only overflows in a row spend the hysteresis,
             which refills after every clean step; False (Megatron's, DeepSpeed's default): it
-            refills only when the scale grows. The same with hysteresis=1.
+            refills only when the scale grows. The same with hysteresis=1. O0-O3: True.
         sync_overflow: True (or a ProcessGroup) MAX-reduces each pass's found-inf flag over the
             default (or that) group, for gradients DDP does not reduce (parameters outside the
             wrapper or ignored by it); plain DDP needs no sync. None: on only for FSDP models.
@@ -290,10 +293,10 @@ def initialize(
         collapse_warn_steps: scale-collapse guard: after this many overflows in a row with the
             scale at its floor (a dynamic scale left at ``min_loss_scale``, or any static scale),
             log a WARNING naming the likely causes (NaN/inf in the data, a loss computed in half
-            precision, a learning rate too high); also at verbosity 0. Default 25; None: never.
+            precision, a learning rate too high); also at verbosity 0. O0-O3: 25; None: never.
         collapse_raise_steps: after this many such overflows in a row (counted from the first,
             >= collapse_warn_steps), the next ``scale_loss`` raises RuntimeError (that
-            overflow's step is still skipped as usual). Default 500; None: never. A clean
+            overflow's step is still skipped as usual). O0-O3: 500; None: never. A clean
             step resets the count; the guard reads the overflow log's values (no host sync).
 
     Returns:
@@ -339,7 +342,7 @@ def initialize(
         return result()
 
     recipe = resolve(
-        recipe_for(opt_level), half_dtype=_half_dtype(half_dtype), cast_model_type=cast_model_type,
+        recipe_for(opt_level), half_dtype=_half_dtype(half_dtype, opt_level), cast_model_type=cast_model_type,
         patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=master_weights, loss_scale=loss_scale, cast_model_outputs=cast_model_outputs,
         num_losses=num_losses, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,

@@ -1,11 +1,14 @@
 """apex's overrides as validated replacements of a level's recipe.
 
 :func:`resolve` takes a level (a :class:`~apex_amp.amp.recipe.Recipe` of
-:mod:`.opt_levels`) and the user's ``initialize`` arguments, checks each one
-against the level (an override that makes no sense for it raises a
-``ValueError`` saying why), and returns the replaced recipe. The order is
-fixed: the half dtype first (the fields that follow it follow it), then the
-model's dtype, O1's casting, batchnorm, masters, loss scaling, fp8.
+:mod:`.opt_levels`, or one of the user's own) and the user's ``initialize``
+arguments, checks each one against the level (an override that makes no sense
+for it raises a ``ValueError`` saying why), and returns the replaced recipe.
+Only the arguments the user passed replace fields: one left at its default
+(None, or :data:`LEVELS_OWN` where None has a meaning) keeps the recipe's
+value, so a custom recipe arrives whole. The order is fixed: the half dtype
+first (the fields that follow it follow it), then the model's dtype, O1's
+casting, batchnorm, masters, loss scaling, the scaler's settings, fp8.
 """
 
 from __future__ import annotations
@@ -18,10 +21,9 @@ import torch
 
 from .._dtypes import HALF_DTYPES
 from ..fp8 import Fp8Recipe
-from .overflow_log import DEFAULT_COLLAPSE_RAISE_STEPS, DEFAULT_COLLAPSE_WARN_STEPS
 from .recipe import Recipe
 
-__all__ = ["resolve", "parse_flag", "SMALLEST_SCALE", "LARGEST_SCALE", "MODEL_DTYPES", "DYNAMIC"]
+__all__ = ["resolve", "parse_flag", "LEVELS_OWN", "SMALLEST_SCALE", "LARGEST_SCALE", "MODEL_DTYPES", "DYNAMIC"]
 
 # A loss scale must be a normal float32: 0 or a denormal would make 1/scale inf (or lose the gradients).
 SMALLEST_SCALE = torch.finfo(torch.float32).tiny
@@ -29,6 +31,17 @@ LARGEST_SCALE = torch.finfo(torch.float32).max
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DYNAMIC = "dynamic"
 DYNAMIC_INITIAL_SCALE = 2.0**16
+
+
+class _LevelsOwn:
+    """The default of an override whose None means something (collapse_*_steps=None: never)."""
+
+    def __repr__(self) -> str:
+        return "<the level's>"
+
+
+# Left at this, an override keeps the level's (the recipe's) value.
+LEVELS_OWN: Any = _LevelsOwn()
 
 
 def _parse_bool_or_none(name: str, value: Any) -> Optional[bool]:
@@ -105,6 +118,8 @@ def _check_dtype(name: str, value: Any, allowed: tuple) -> None:
 
 # ---- one replacement per override, applied in this order -------------------------------
 def _half_dtype(level: Recipe, half_dtype: Any) -> dict[str, Any]:
+    if half_dtype is None:
+        return {}
     if half_dtype not in HALF_DTYPES:
         raise ValueError(f"half_dtype must be torch.float16 or torch.bfloat16, got {half_dtype!r}")
     changes: dict[str, Any] = {"half_dtype": half_dtype}
@@ -179,30 +194,69 @@ def _master_weights(level: Recipe, recipe: Recipe, master_weights: Any) -> dict[
 def _loss_scaling(
     level: Recipe, recipe: Recipe, loss_scale: Any, min_loss_scale: Any, max_loss_scale: Any, skip_nonfinite: bool,
 ) -> dict[str, Any]:
-    dynamic, scale = recipe.dynamic_loss_scale, recipe.loss_scale
+    dynamic, scale, check_finite = recipe.dynamic_loss_scale, recipe.loss_scale, recipe.check_finite
     if loss_scale is not None:
         chosen = _parse_loss_scale(loss_scale)
         dynamic = chosen == DYNAMIC
         scale = DYNAMIC_INITIAL_SCALE if dynamic else chosen
-    min_scale = _check_min_loss_scale(1.0 if min_loss_scale is None else min_loss_scale)
-    max_scale = float(max_loss_scale)
+    if loss_scale is not None or skip_nonfinite:
+        # O1/O2 check gradients by default (the levels whose own scale is dynamic).
+        check_finite = dynamic or level.check_finite or skip_nonfinite
+    min_scale = recipe.min_loss_scale if min_loss_scale is None else _check_min_loss_scale(min_loss_scale)
+    max_scale = recipe.max_loss_scale if max_loss_scale is None else float(max_loss_scale)
     if not (0 < min_scale <= max_scale <= LARGEST_SCALE):
         raise ValueError(
-            f"need 0 < min_loss_scale <= max_loss_scale <= float32 max, got {min_loss_scale!r} and {max_loss_scale!r}"
+            f"need 0 < min_loss_scale <= max_loss_scale <= float32 max, got {min_scale!r} and {max_scale!r}"
         )
     if dynamic:
         scale = min(max(scale, min_scale), max_scale)
     return {
         "dynamic_loss_scale": dynamic, "loss_scale": float(scale), "min_loss_scale": min_scale,
-        "max_loss_scale": max_scale,
-        # O1/O2 check gradients by default (the levels whose own scale is dynamic).
-        "check_finite": dynamic or level.check_finite or skip_nonfinite,
+        "max_loss_scale": max_scale, "check_finite": check_finite,
     }
 
 
+def _scaler_settings(recipe: Recipe, passed: dict[str, Any]) -> dict[str, Any]:
+    changes = {}
+    for name in ("num_losses", "scale_window", "hysteresis"):
+        value = passed[name]
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        changes[name] = value
+    for name in ("consecutive_hysteresis", "allow_banned"):
+        if passed[name] is not None:
+            changes[name] = parse_flag(name, passed[name])
+    for name in ("collapse_warn_steps", "collapse_raise_steps"):
+        if passed[name] is not LEVELS_OWN:
+            changes[name] = passed[name]
+    _check_collapse_steps(changes.get("collapse_warn_steps", recipe.collapse_warn_steps),
+                          changes.get("collapse_raise_steps", recipe.collapse_raise_steps))
+    if passed["cast_model_outputs"] is not None:
+        _check_dtype("cast_model_outputs", passed["cast_model_outputs"], MODEL_DTYPES)
+        changes["cast_model_outputs"] = passed["cast_model_outputs"]
+    return changes
+
+
+def _check_model_dtype_follows_half_dtype(recipe: Recipe) -> None:
+    # A recipe built with dataclasses.replace(O2, half_dtype=torch.bfloat16) keeps O2's float16
+    # model: "half" in apex's table is a dtype in a recipe, so both fields must be replaced.
+    if recipe.casts_model_to_half and recipe.cast_model_type != recipe.half_dtype:
+        raise ValueError(
+            f"the recipe {recipe.opt_level!r} has half_dtype={recipe.half_dtype} but casts the model to "
+            f"{recipe.cast_model_type}; a recipe's fields are taken as they are, so replace both: "
+            f"dataclasses.replace(..., half_dtype={recipe.half_dtype}, cast_model_type={recipe.half_dtype}) "
+            f"(or start from opt_levels.resolve_properties('O2', half_dtype={recipe.half_dtype}), which moves "
+            "every field that follows the half dtype)"
+        )
+
+
 def _fp8(level: Recipe, recipe: Recipe, fp8: Any) -> dict[str, Any]:
-    if fp8 is None or fp8 is False:
+    if fp8 is None:
         return {}
+    if fp8 is False:
+        return {"fp8": None}
     if fp8 is True:
         fp8 = Fp8Recipe()
     if not isinstance(fp8, Fp8Recipe):
@@ -215,29 +269,32 @@ def _fp8(level: Recipe, recipe: Recipe, fp8: Any) -> dict[str, Any]:
 def resolve(
     level: Recipe,
     *,
-    half_dtype: Any = torch.float16,
+    half_dtype: Any = None,
     cast_model_type: Any = None,
     patch_torch_functions: Any = None,
     keep_batchnorm_fp32: Any = None,
     master_weights: Any = None,
     loss_scale: Any = None,
     cast_model_outputs: Any = None,
-    num_losses: Any = 1,
+    num_losses: Any = None,
     min_loss_scale: Any = None,
-    max_loss_scale: Any = 2.0**24,
-    scale_window: Any = 2000,
-    hysteresis: Any = 1,
-    consecutive_hysteresis: Any = True,
+    max_loss_scale: Any = None,
+    scale_window: Any = None,
+    hysteresis: Any = None,
+    consecutive_hysteresis: Any = None,
     skip_nonfinite: bool = False,
-    allow_banned: bool = False,
-    collapse_warn_steps: Any = DEFAULT_COLLAPSE_WARN_STEPS,
-    collapse_raise_steps: Any = DEFAULT_COLLAPSE_RAISE_STEPS,
+    allow_banned: Any = None,
+    collapse_warn_steps: Any = LEVELS_OWN,
+    collapse_raise_steps: Any = LEVELS_OWN,
     fp8: Any = None,
 ) -> Recipe:
     """``level`` with the user's overrides applied, each checked against the level; raises with the reason.
 
+    An argument left at its default (None, or :data:`LEVELS_OWN`) keeps ``level``'s value, so a
+    recipe of your own passes through whole; the named levels hold apex's defaults.
+
     Args:
-        level: the opt level's recipe (``opt_levels.O2``, ...).
+        level: the opt level's recipe (``opt_levels.O2``, ...), or one of your own.
         half_dtype: and every other argument: as for :func:`apex_amp.amp.initialize`.
 
     Example::
@@ -245,10 +302,11 @@ def resolve(
         >>> from apex_amp.amp import opt_levels
         >>> resolve(opt_levels.O2, half_dtype=torch.bfloat16, loss_scale="dynamic").dynamic_loss_scale
         True
+        >>> mine = dataclasses.replace(opt_levels.O2, opt_level="mine", scale_window=500)
+        >>> resolve(mine, hysteresis=2).scale_window
+        500
     """
     skip_nonfinite = parse_flag("skip_nonfinite", skip_nonfinite)
-    consecutive_hysteresis = parse_flag("consecutive_hysteresis", consecutive_hysteresis)
-    allow_banned = parse_flag("allow_banned", allow_banned)
     recipe = dataclasses.replace(level, **_half_dtype(level, half_dtype))
     recipe = dataclasses.replace(recipe, **_cast_model_type(level, recipe, cast_model_type))
     recipe = dataclasses.replace(recipe, **_patch(level, patch_torch_functions))
@@ -256,14 +314,11 @@ def resolve(
     recipe = dataclasses.replace(recipe, **_master_weights(level, recipe, master_weights))
     recipe = dataclasses.replace(
         recipe, **_loss_scaling(level, recipe, loss_scale, min_loss_scale, max_loss_scale, skip_nonfinite))
-    for name, value in (("num_losses", num_losses), ("scale_window", scale_window), ("hysteresis", hysteresis)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    _check_collapse_steps(collapse_warn_steps, collapse_raise_steps)
-    _check_dtype("cast_model_outputs", cast_model_outputs, MODEL_DTYPES)
+    recipe = dataclasses.replace(recipe, **_scaler_settings(recipe, {
+        "num_losses": num_losses, "scale_window": scale_window, "hysteresis": hysteresis,
+        "consecutive_hysteresis": consecutive_hysteresis, "allow_banned": allow_banned,
+        "collapse_warn_steps": collapse_warn_steps, "collapse_raise_steps": collapse_raise_steps,
+        "cast_model_outputs": cast_model_outputs}))
     recipe = dataclasses.replace(recipe, **_fp8(level, recipe, fp8))
-    return dataclasses.replace(
-        recipe, cast_model_outputs=cast_model_outputs, num_losses=num_losses, scale_window=scale_window,
-        hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis, allow_banned=allow_banned,
-        collapse_warn_steps=collapse_warn_steps, collapse_raise_steps=collapse_raise_steps,
-    )
+    _check_model_dtype_follows_half_dtype(recipe)
+    return recipe

@@ -25,18 +25,24 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.nn.parallel import DistributedDataParallel
 
 from apex_amp import amp
+from apex_amp.amp.opt_levels import resolve_properties
+from apex_amp.amp.recipe import Recipe
 
 __all__ = ["ApexAmpPrecision"]
 
 logger = logging.getLogger("apex_amp")
 
-# Lightning's name for what each level does to the model and its step (``trainer.precision``).
-_LIGHTNING_PRECISION = {
-    ("O0", torch.float16): "32-true", ("O0", torch.bfloat16): "32-true",
-    ("O1", torch.float16): "16-mixed", ("O1", torch.bfloat16): "bf16-mixed",
-    ("O2", torch.float16): "16-mixed", ("O2", torch.bfloat16): "bf16-mixed",
-    ("O3", torch.float16): "16-true", ("O3", torch.bfloat16): "bf16-true",
-}
+
+
+def _lightning_precision(recipe: Recipe) -> str:
+    """Lightning's name for what a level does to the model and its step (``trainer.precision``)."""
+    bits = "bf16" if recipe.half_dtype == torch.bfloat16 else "16"
+    if recipe.patch_torch_functions or recipe.master_weights:
+        return f"{bits}-mixed"  # O1, O2: half compute, fp32 weights updated
+    if recipe.casts_model_to_half:
+        return f"{bits}-true"  # O3
+    return "32-true"  # O0
+
 # What the plugin itself passes to amp.initialize; the rest of its keywords may be forwarded.
 _OWN_ARGUMENTS = {"models", "optimizers", "opt_level", "half_dtype", "enabled"}
 _FORWARDABLE = set(inspect.signature(amp.initialize).parameters) - _OWN_ARGUMENTS
@@ -71,9 +77,11 @@ class ApexAmpPrecision(Precision):
     while O2 casts the model and makes its masters before the wrap.
 
     Args:
-        opt_level: "O0", "O1", "O2" or "O3".
+        opt_level: "O0", "O1", "O2" or "O3", or a :class:`apex_amp.amp.recipe.Recipe` of your own
+            (passed to ``amp.initialize`` whole: see ``docs/recipes.md``).
         half_dtype: ``torch.float16`` (apex's half, dynamic loss scaling) or ``torch.bfloat16``
-            (a static scale of 1, gradients still checked).
+            (a static scale of 1, gradients still checked). None (the default): float16 for a
+            named level, the recipe's own for a ``Recipe``.
         hold_lr_on_skipped_steps: hold step-interval LR schedulers on skipped steps.
         **initialize_kwargs: further keyword arguments of :func:`apex_amp.amp.initialize`
             (``loss_scale``, ``keep_batchnorm_fp32``, ``min_loss_scale``, ``verbosity``, ...).
@@ -90,11 +98,12 @@ class ApexAmpPrecision(Precision):
         >>> trainer.fit(lit_module, train_loader)   # configure_optimizers returns FusedAdam
     """
 
-    def __init__(self, opt_level: str = "O2", half_dtype: torch.dtype = torch.float16, *,
+    def __init__(self, opt_level: Any = "O2", half_dtype: Optional[torch.dtype] = None, *,
                  hold_lr_on_skipped_steps: bool = True, **initialize_kwargs: Any) -> None:
-        if (opt_level, torch.float16) not in _LIGHTNING_PRECISION:
-            raise ValueError(f"ApexAmpPrecision: opt_level={opt_level!r} is not one of 'O0', 'O1', 'O2', 'O3'")
-        if half_dtype not in (torch.float16, torch.bfloat16):
+        if not isinstance(opt_level, Recipe) and opt_level not in ("O0", "O1", "O2", "O3"):
+            raise ValueError(f"ApexAmpPrecision: opt_level={opt_level!r} is not one of 'O0', 'O1', 'O2', 'O3' "
+                             "or an apex_amp.amp.recipe.Recipe")
+        if half_dtype is not None and half_dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"ApexAmpPrecision: half_dtype must be torch.float16 or torch.bfloat16, got {half_dtype!r}")
         unknown = sorted(set(initialize_kwargs) - _FORWARDABLE)
         if unknown:
@@ -103,8 +112,14 @@ class ApexAmpPrecision(Precision):
                 f"opt_level and half_dtype are this plugin's own arguments; the models and optimizers "
                 f"are the Trainer's; anything else must be one of {sorted(_FORWARDABLE)}")
         self.opt_level = opt_level
-        self.half_dtype = half_dtype
-        self.precision = _LIGHTNING_PRECISION[(opt_level, half_dtype)]
+        if half_dtype is None and not isinstance(opt_level, Recipe):
+            half_dtype = torch.float16  # apex's half, whatever APEX_AMP_HALF_DTYPE says
+        # The overrides initialize will apply to the level: what the Trainer reports and
+        # whether DDP can work follow from the recipe amp will train with.
+        self._recipe = resolve_properties(opt_level, half_dtype=half_dtype)
+        self.half_dtype = self._recipe.half_dtype
+        self._given_half_dtype = half_dtype
+        self.precision = _lightning_precision(self._recipe)
         self.hold_lr_on_skipped_steps = hold_lr_on_skipped_steps
         self._initialize_kwargs = initialize_kwargs
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -129,16 +144,16 @@ class ApexAmpPrecision(Precision):
                 "for another fit")
         module = model
         if isinstance(model, DistributedDataParallel):
-            if self.opt_level in ("O2", "O3"):
+            if self._recipe.casts_model_to_half:
                 raise ValueError(
-                    f"ApexAmpPrecision({self.opt_level!r}) with a DDP strategy is not supported: Lightning "
+                    f"ApexAmpPrecision({self._recipe.opt_level!r}) with a DDP strategy is not supported: Lightning "
                     "wraps the model in DistributedDataParallel before the precision plugin sees the "
                     "optimizers, and O2/O3 must cast the model (and make O2's fp32 masters) before that wrap. "
                     "Use opt_level='O1' with DDP, or a single-device strategy")
             module, self._ddp_model = model.module, model
         # enabled=True is the plugin's (a disabled plugin is no plugin: drop it from the Trainer).
         _, initialized = amp.initialize(module, list(optimizers), enabled=True, opt_level=self.opt_level,
-                                        half_dtype=self.half_dtype, **self._initialize_kwargs)
+                                        half_dtype=self._given_half_dtype, **self._initialize_kwargs)
         self._optimizers = list(initialized)
         if self.hold_lr_on_skipped_steps:
             for config in lr_schedulers:

@@ -2,7 +2,7 @@
 
 Building a step's batches walks every parameter in Python: its gradient, its model copy, its
 state (created on first sight), DTensor shards, the merge of fp32 params into the batch with
-a model copy, the shared step count. A step's cost on a small model is mostly that walk
+a model copy, the group's step count. A step's cost on a small model is mostly that walk
 (benchmarks/bench_overhead.py), and from one step to the next its result is the same but for
 the gradient tensors. A :class:`BatchPlan` keeps the result and is reused when a cheap check
 finds the same parameters, the same of them with a gradient, the same model copies and the
@@ -17,9 +17,18 @@ from typing import Any, Mapping, Optional
 
 from torch import Tensor
 
-__all__ = ["BatchPlan"]
+__all__ = ["BatchPlan", "copy_of_step"]
 
 _NO_STATE: dict[str, Any] = {}
+
+
+def copy_of_step(step: Tensor, device: Any) -> Tensor:
+    """The value of a group's step count before the step, for the group's other batches.
+
+    Another batch of the group (another device, or params without a model copy beside those
+    with one) takes a copy: only the group's own tensor advances.
+    """
+    return step.to(device, copy=True)
 
 
 @dataclasses.dataclass
@@ -27,15 +36,14 @@ class BatchPlan:
     """One group's batches and what they were built from.
 
     ``batches`` hold everything but the gradients; ``grad_positions[i]`` are the positions in
-    the group's params of batch ``i``'s gradients; ``steps[i]`` the shared step count of its
-    device, which ``fresh_step[i]`` batches take a copy of (the second batch on a device).
+    the group's params of batch ``i``'s gradients; ``group_step`` the group's step count
+    (``group["step"]``), which the first batch advances and the others take a copy of.
     """
 
     group: dict[str, Any]
     batches: list[Any]
     grad_positions: list[list[int]]
-    steps: list[Optional[Tensor]]
-    fresh_step: list[bool]
+    group_step: Optional[Tensor]
     param_ids: list[int]
     model_of: Optional[list[Optional[Tensor]]]  # each param's half model param (None without amp's masters)
     model_params_key: tuple[int, int]
@@ -70,7 +78,8 @@ class BatchPlan:
 
     def fill(self, grads: list[Optional[Tensor]]) -> list[Any]:
         """The plan's batches with this step's gradients (and step counts)."""
-        for batch, positions, step, fresh in zip(self.batches, self.grad_positions, self.steps, self.fresh_step):
+        for index, (batch, positions) in enumerate(zip(self.batches, self.grad_positions)):
             batch.grads = [grads[i] for i in positions]
-            batch.step = step.clone() if fresh else step
+            if self.group_step is not None:
+                batch.step = copy_of_step(self.group_step, batch.device) if index else self.group_step
         return self.batches

@@ -15,10 +15,12 @@ class FusedAdam(FusedOptimizer):
 
     apex's signature; a real ``torch.optim.Optimizer`` (``state_dict``, LR
     schedulers and hooks work as usual). Per parameter the state holds
-    ``exp_avg``, ``exp_avg_sq`` and ``step`` as in ``torch.optim.Adam``; the
-    ``step`` tensor is shared by the parameters of a group (as apex's group
-    step), lives on the parameters' device and is incremented by the op itself,
-    so a skipped step never needs the host.
+    ``exp_avg`` and ``exp_avg_sq``; the step count is the group's,
+    ``param_groups[i]["step"]``, as in apex (where schedulers read and may write
+    it, and checkpoints hold it): a float32 tensor on the parameters' device,
+    created by the first step and incremented by the op itself, so a skipped
+    step never needs the host. ``load_state_dict`` also takes apex's checkpoints
+    and ``torch.optim.Adam``'s layout (a step per parameter, moved to the group).
 
     Under ``amp.initialize`` the step also receives amp's arguments: the
     ``found_inf`` flag (a non-zero flag makes the step a no-op on the device),

@@ -17,7 +17,7 @@ from .. import _checks as check
 from .. import ops
 from .._fallback import commit, f32, shaped_like, step_taken
 from .._op_registry import define
-from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer
+from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer, as_step
 
 __all__ = ["FusedLAMB", "FusedMixedPrecisionLamb"]
 
@@ -247,13 +247,21 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         reduced_precision_dtype: Optional[torch.dtype] = None,
     ) -> None:
         _check_reduced_precision_dtype(reduced_precision_dtype)
+        self.initial_step = float(step)  # read by add_param_group, which the constructor calls
         super().__init__(
             params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
             amsgrad=amsgrad, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging, set_grad_none=True,
             max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb, master_weights=True)
         # Read by every step, as apex's did: code that sets it after construction gets its masters.
         self.reduced_precision_dtype = reduced_precision_dtype
-        self.initial_step = float(step)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's; the group's step count exists from the start, on its params' device (as apex's)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if "step" not in group:
+            device = group["params"][0].device if group["params"] else torch.device("cpu")
+            group["step"] = as_step(self.initial_step, device)
 
     def _plan_settings(self) -> tuple[Any, ...]:
         _check_reduced_precision_dtype(self.reduced_precision_dtype)

@@ -5,7 +5,7 @@ per-element state (``STATE_KEYS``), whether it counts steps, and one method,
 ``_fused_step``, which makes one op call for a :class:`FusedBatch`: the
 tensors of one param group on one device. The base class owns everything
 else: grouping by device and by whether a half model copy is written, the
-state and the shared step count, the O2 model copy written in the same pass,
+state and the group's step count, the O2 model copy written in the same pass,
 optimizer-owned fp32 masters (``master_weights=True``), sparse-gradient
 refusal, ``zero_grad`` and ``load_state_dict``.
 
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .._dtensor import is_dtensor, local_tensor
 from .._dtypes import HALF_DTYPES
-from ._batch_plan import BatchPlan
+from ._batch_plan import BatchPlan, copy_of_step
 
 __all__ = ["AmpStepArgs", "FusedBatch", "FusedOptimizer"]
 
@@ -59,7 +59,7 @@ class AmpStepArgs:
 class FusedBatch:
     """The tensors of one op call: one param group, one device, with or without a model copy.
 
-    ``owners`` are the optimizer's params (whose state holds the step), ``params`` what is
+    ``owners`` are the optimizer's params (whose state the batch holds), ``params`` what is
     updated (the params, or optimizer-owned masters), ``states`` the per-element state lists by
     key, ``new_state`` whether each param's state was created for this step. DTensors (FSDP2)
     are their local shards: the ops are elementwise per tensor.
@@ -72,7 +72,7 @@ class FusedBatch:
     states: dict[str, list[Tensor]] = dataclasses.field(default_factory=dict)
     model_params: list[Tensor] = dataclasses.field(default_factory=list)
     new_state: list[bool] = dataclasses.field(default_factory=list)
-    step: Optional[Tensor] = None  # the group's shared step count (optimizers that count steps)
+    step: Optional[Tensor] = None  # the group's step count (optimizers that count steps)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -96,7 +96,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     """
 
     STATE_KEYS: ClassVar[tuple[str, ...]] = ()  # per-element state, shaped and laid out like the param
-    COUNTS_STEPS: ClassVar[bool] = False  # a shared "step" tensor per group and device
+    # The step count lives in param_groups[i]["step"], as apex's FusedAdam/LAMB/NovoGrad kept it:
+    # one float32 tensor per group, on the group's device, incremented by the op on the device
+    # (not on a skipped step), readable and writable by LR schedulers, saved in state_dict().
+    COUNTS_STEPS: ClassVar[bool] = False
     # Elementwise rules update FSDP2's shards as they are; rules with per-tensor norms need whole tensors.
     UPDATES_SHARDS: ClassVar[bool] = True
     initial_step: float = 0.0  # the step count a group starts from
@@ -229,7 +232,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             return self._build_batches(group, amp)  # traced once into the graph, guarded by dynamo
         params, keys, settings = group["params"], self._plan_keys(group), self._plan_settings()
         plan = self._batch_plans.get(id(group))
-        if plan is not None and plan.group is group and plan.state_keys == keys and plan.settings == settings:
+        if (plan is not None and plan.group is group and plan.state_keys == keys and plan.settings == settings
+                and plan.group_step is group.get("step")):  # a step count written by a scheduler rebuilds
             grads = plan.grads(params, amp.model_params)
             if grads is not None and BatchPlan.signature(self.state, params, keys) == plan.state_ids:
                 return plan.fill(grads)
@@ -243,8 +247,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _plan_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         # The state a group's batches hold: a plan is stale once any of these tensors is replaced.
-        return (*self._state_keys(group), *(("step",) if self.COUNTS_STEPS else ()),
-                *(("master_param",) if self.master_weights else ()))
+        return (*self._state_keys(group), *(("master_param",) if self.master_weights else ()))
 
     def _remember_plan(self, group: dict[str, Any], keys: tuple[str, ...], settings: tuple[Any, ...],
                        batches: list[FusedBatch], amp: AmpStepArgs) -> None:
@@ -257,14 +260,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         grads = [p.grad for p in params]
         if model_of is not None:
             grads = [g if g is not None or m is None else m.grad for g, m in zip(grads, model_of)]
-        steps = [self.state[batch.owners[0]]["step"] if self.COUNTS_STEPS else None for batch in batches]
         self._batch_plans[id(group)] = BatchPlan(
             group=group,
             batches=[dataclasses.replace(batch, grads=[], new_state=[False] * len(batch.owners))
                      for batch in batches],
             grad_positions=[[position[id(p)] for p in batch.owners] for batch in batches],
-            steps=steps,
-            fresh_step=[step is not None and batch.step is not step for batch, step in zip(batches, steps)],
+            group_step=group.get("step") if self.COUNTS_STEPS and batches else None,
             param_ids=[id(p) for p in params],
             model_of=model_of,
             model_params_key=BatchPlan.mapping_key(amp.model_params),
@@ -299,7 +300,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if "master_param" not in state:
                     state["master_param"] = p.detach().to(torch.float32)
                 target, model_param = state["master_param"], p
-            created = not all(key in state for key in keys) or (self.COUNTS_STEPS and "step" not in state)
+            created = not all(key in state for key in keys)
             if created:
                 for key, value in self._new_state(target, group).items():
                     state.setdefault(key, value)
@@ -316,54 +317,40 @@ class FusedOptimizer(torch.optim.Optimizer):
                 batch.model_params.append(local_tensor(model_param))
             batch.new_state.append(created)
         merged = _merge_fp32_into_copy_batches(batches)
-        if self.COUNTS_STEPS:
-            self._attach_steps(group, merged)
+        if self.COUNTS_STEPS and merged:
+            step = self._group_step(group, merged[0].device)
+            for index, batch in enumerate(merged):
+                batch.step = copy_of_step(step, batch.device) if index else step
         return merged
 
-    def _attach_steps(self, group: dict[str, Any], batches: list[FusedBatch]) -> None:
-        # The op increments the step it is given. With two batches on one device (params with
-        # and without a model copy, not merged), the shared step goes to the first and a copy
-        # of its old value to the second.
-        shared: dict[torch.device, Tensor] = {}
-        before: dict[torch.device, Tensor] = {}
-        for batch in batches:
-            device = batch.device
-            if device not in shared:
-                step = shared[device] = self._shared_step([p for p in group["params"] if p.device == device], device)
-                if sum(1 for other in batches if other.device == device) > 1:
-                    before[device] = step.clone()
-                batch.step = step
-            else:
-                batch.step = before[device].clone()
-            for p in batch.owners:
-                self.state[p]["step"] = shared[device]
-
-    def _shared_step(self, params: list[Tensor], device: torch.device) -> Tensor:
-        # One step tensor per group and device, referenced by every param's state.
-        step = None
-        for p in params:
-            candidate = self.state.get(p, {}).get("step")
-            if isinstance(candidate, Tensor):
-                step = candidate
-                break
-        if step is None:
-            return torch.full((), float(self.initial_step), dtype=torch.float32, device=device)
-        if step.device != device or step.dtype != torch.float32:
-            step = step.to(device=device, dtype=torch.float32)
-        for p in params:
-            own = self.state.get(p, {}).get("step")
-            if own is None or own is step:
-                continue
-            # Loaded state holds one tensor per param: link them (a host read, once after a load).
-            if not torch.equal(torch.as_tensor(own, dtype=torch.float32).to(device).reshape(()), step.reshape(())):
-                raise RuntimeError(
-                    f"{type(self).__name__} keeps one step count per param group, but the loaded state has "
-                    f"different step counts ({float(own)} and {float(step)}) within one group; put parameters "
-                    "with different histories in different param groups")
-            self.state[p]["step"] = step
+    def _group_step(self, group: dict[str, Any], device: torch.device) -> Tensor:
+        # The group's one step count as the ops take it: a float32 scalar on ``device``. A count
+        # written by a scheduler or loaded from apex (an int, apex's one-element int32 tensor,
+        # a tensor on another device) becomes such a tensor here, once; the group then holds it.
+        step = group.get("step")
+        if isinstance(step, Tensor) and step.dtype == torch.float32 and step.dim() == 0 and step.device == device:
+            return step
+        group["step"] = step = as_step(self.initial_step if step is None else step, device)
         return step
 
     # ---- state_dict ------------------------------------------------------------------------------
+    def _take_group_step(self, index: int, group: dict[str, Any]) -> None:
+        # One counter per group: apex's checkpoints hold it in the group; ours before it lived
+        # there, and torch.optim's layout, hold one per param, which must agree (a host read, once).
+        steps = [self.state[p].pop("step") for p in group["params"] if "step" in self.state.get(p, {})]
+        if "step" not in group and steps:
+            first = as_step(steps[0], torch.device("cpu"))
+            different = [float(s) for s in steps if not torch.equal(as_step(s, first.device), first)]
+            if different:
+                raise RuntimeError(
+                    f"{type(self).__name__} keeps one step count per param group (param_groups[i]['step'], as "
+                    f"apex), but the loaded state has different step counts ({float(first)} and {different[0]}) "
+                    f"within param group {index}; put parameters with different histories in different groups")
+            group["step"] = first
+        if "step" in group:
+            device = group["params"][0].device if group["params"] else torch.device("cpu")
+            group["step"] = as_step(group["step"], device)  # ours, not an alias of the caller's
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by ``state_dict()`` (also the matching ``torch.optim`` optimizer's layout)."""
         # torch casts loaded state to each param's dtype; the fp32 masters and the state of
@@ -381,17 +368,22 @@ class FusedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:  # a torch.optim state may lack some of our group keys
             for key in self._group_keys:
                 group.setdefault(key, self.defaults[key])
-        for state in self.state.values():
-            # torch keeps the loaded step tensors as they are; the ops increment ours in place,
-            # so own them rather than alias the caller's dict.
-            if isinstance(state.get("step"), Tensor):
-                state["step"] = state["step"].clone()
+        if self.COUNTS_STEPS:
+            for index, group in enumerate(self.param_groups):
+                self._take_group_step(index, group)
         params = list(itertools.chain.from_iterable(g["params"] for g in self.param_groups))
         for index, param in zip(saved_ids, params):
             for key, value in keep_fp32.get(index, {}).items():
                 self.state[param][key] = value.to(param.device)
             if param in self.state:
                 _lay_out_like(self.state[param], param, fp32_keys)
+
+
+def as_step(value: Any, device: torch.device) -> Tensor:
+    """``value`` (a number or a one-element tensor) as a step count: a new float32 scalar on ``device``."""
+    if isinstance(value, Tensor) and value.numel() != 1 or not isinstance(value, (Tensor, int, float)):
+        raise ValueError(f"a param group's 'step' must be a number or a one-element tensor, got {value!r}")
+    return torch.as_tensor(value).to(device=device, dtype=torch.float32, copy=True).reshape(())
 
 
 def _leave_grads_unscaled(batches: list[tuple[dict[str, Any], FusedBatch]], amp: AmpStepArgs) -> None:

@@ -1,49 +1,46 @@
-"""How the O1 rules are applied: torch's dispatcher-level autocast plus our own Autocast kernels.
+"""How the O1 rules are applied: Python kernels at one dispatcher key, above autograd.
 
-Mechanism. ``activate`` switches torch's autocast on for CPU and CUDA outside any ``with``
-block (``torch.set_autocast_enabled``) with the half dtype, so every call through
-``torch.*``, ``torch.nn.functional.*``, ``Tensor`` methods and operators reaches the
-``AutocastCPU`` / ``AutocastCUDA`` dispatch keys. Where torch's policy on a device differs
-from :mod:`.rules` (its CPU policy leaves softmax, log_softmax, sum, cumsum, norms and more
-in half; neither device promotes dot/cross/index_put mixed inputs on CPU; BCE is not banned
-on CPU), a Python kernel registered at that key applies our rule and then redispatches
-below autocast. The kernels are registered on ``activate`` and removed on ``deactivate``,
-so plain ``torch.autocast`` is untouched unless O1 is active; while it is, a kernel called
-outside an O1 context (another thread's own ``torch.autocast``, a backward pass) hands the
-call to torch's own autocast kernel for that op (``torch.library.get_kernel``), or past the
-autocast key when torch had none.
+Mechanism. Every ``torch.*``, ``torch.nn.functional.*``, ``Tensor`` method and operator call
+meets at the dispatcher. ``activate`` registers a kernel for each operator of :mod:`.rules`
+at the Autocast key of :mod:`.carrier` and routes the calling thread's calls through that
+key; each kernel applies the op's rule, then redispatches below the key (autograd records
+the casts, as it records torch.autocast's). torch's own autocast flags stay False (as under
+apex, whose O1 patched functions), so libraries that read ``torch.is_autocast_enabled``
+see no autocast, and plain ``torch.autocast`` is untouched: O1 registers nothing at
+``AutocastCPU`` / ``AutocastCUDA``.
 
-Why this route (the figures are in benchmarks/README.md, "Design choices and their
-measurements"; ``benchmarks/bench_o1_overhead.py`` reproduces them):
-  - dispatcher autocast costs nothing per op in Python; torch's own kernels stay in C++.
-    Python wrappers on module attributes (apex's way) would miss calls through Tensor
-    methods and operators; module hooks see no functional calls at all;
-  - a Python kernel at the Autocast key adds microseconds per forward call, and more when
-    autograd enters it from a backward pass (it runs backward with the caller's autocast
-    state and our kernel must re-take the GIL);
-  - so Python kernels are registered only where torch's policy differs from rules.py. The
-    linear/matmul/conv ops keep torch's kernels, which made a whole MLP or transformer step
-    measurably cheaper than with Python kernels for them;
-  - the frontend runs backward and optimizer.step() under ``disable_casts()`` (what
-    ``scale_loss`` wraps), so no Python kernel runs in backward.
+What O1 gives an op is what torch's autocast gave it before this key existed: the row of
+rules.py where the row applies on the call's device; where the row is ``native`` on that
+device (torch's own policy gives the same rule) and for the ops torch's autocast casts that
+rules.py leaves out (FFTs and linear algebra on CPU, pooling and padding ops, ...), torch's
+own autocast kernel for that device (``torch.library.get_kernel``), called with torch's
+autocast dtype set to O1's half dtype. Ops in neither fall through the key. The device is
+the call's (CUDA when any argument is a CUDA tensor), so one kernel serves both devices.
+
+Inside O1, ``with torch.autocast(device, enabled=False)`` changes nothing (apex's casts did
+not see it either); ``amp.disable_casts()`` is the way out. An enabled ``torch.autocast``
+block adds torch's policy below O1's (its key sits below O1's on CPU, above it on CUDA).
+
+Costs (benchmarks/README.md, "Design choices and their measurements"): a Python kernel at
+the key adds microseconds per forward call of the ops it covers (linear, matmul, conv and
+the rule table's ops), and more when autograd enters it from a backward pass, so the
+frontend runs backward and optimizer.step() under ``disable_casts()`` (what ``scale_loss``
+wraps): no O1 kernel runs in backward.
 
 Weight casts: torch's autocast weight cache is keyed only by tensor and emptied only when
-the outermost ``torch.autocast`` block exits, which with global enabling never happens, so
-an updated weight would keep its stale half copy. O1 turns that cache off. The half ops
-apex_amp implements (RNNs and their cells, einsum, addmv/addr/mv on CPU) cast weights
-through :class:`.cache.WeightCastCache`, which checks each weight's version counter,
-storage and the grad mode before reusing a cast; ops left to torch's kernels (linear,
-matmul, conv) cast the weight at each call, like torch.autocast when a weight is used
-once per iteration, and one extra pass over the weight when it is reused (small next to
-the matmul that reads it).
+the outermost ``torch.autocast`` block exits, which never happens under O1, so an updated
+weight would keep its stale half copy. O1 turns that cache off. O1's half ops cast weights
+through :class:`.cache.WeightCastCache`, which checks each weight's version counter, storage
+and the grad mode before reusing a cast; the ops left to torch's kernels cast at each call.
 """
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
-from . import policy, registry
+from . import carrier, policy, registry
 from ..._dtypes import HALF_DTYPES
 from .policy import STATE, disable_casts
 from .rules import DEVICES, RULES, Rule, aten_rules
@@ -53,63 +50,78 @@ __all__ = ["activate", "deactivate", "is_active", "disable_casts", "clear_cache"
 logger = logging.getLogger("apex_amp")
 
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+_CPU, _CUDA = torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA
+_NO_RULE = object()  # an op without a rule of ours on a device
+_INPLACE = None  # the rule of an in-place op that must refuse half inputs
 
 
 def _resolve(name: str) -> torch._ops.OpOverload:
+    namespace, _, name = name.rpartition("::")
     base, _, overload = name.partition(".")
-    return getattr(getattr(torch.ops.aten, base), overload or "default")
+    return getattr(getattr(getattr(torch.ops, namespace or "aten"), base), overload or "default")
 
 
-def _make_kernel(name: str, rule: Rule | None, device: str):
-    """A kernel for ``aten::name`` at the Autocast key of ``device``; ``rule`` None means an
-    in-place op that must refuse half inputs."""
+def _kernel_table() -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """``"ns::op.overload"`` -> (our rule per device, torch's autocast kernel per device)."""
+    table: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for device in DEVICES:
+        for name, rule in aten_rules(device):
+            table.setdefault(f"aten::{name}", ({}, {}))[0][device] = rule
+        for row in RULES:
+            for name in row.inplace:
+                table.setdefault(f"aten::{name}", ({}, {}))[0][device] = _INPLACE
+        key = _AUTOCAST_KEYS[device]
+        for name in torch._C._dispatch_get_registrations_for_dispatch_key(key):
+            try:
+                original = torch.library.get_kernel(_resolve(name), key)
+            except (AttributeError, RuntimeError) as error:  # an op Python cannot name
+                logger.debug("apex_amp O1: torch's %s kernel of %s left out (%s)", key, name, error)
+                continue
+            table.setdefault(name, ({}, {}))[1][device] = original
+    return table
+
+
+def _make_kernel(name: str, rules: dict[str, Any], originals: dict[str, Any]):
+    """The kernel of ``name`` at O1's key: our rule where ``rules`` has one for the call's
+    device, else torch's autocast kernel for that device, else the op below the key."""
     op = _resolve(name)
-    key = _AUTOCAST_KEYS[device]
-    own_key = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-    original = None
-    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
-        original = torch.library.get_kernel(op, key)  # torch's own policy for this op
+    key_set = carrier.KEY_SET
+    exclude_guard = torch._C._ExcludeDispatchKeyGuard
+    graph_task_id = torch._C._current_graph_task_id
+    to_half = policy.to_half
+    short_name = name.partition("::")[2]
 
-    def passthrough(keyset, args, kwargs):
-        if original is not None:
-            return original.call_boxed(keyset, *args, **kwargs)
-        with torch._C._ExcludeDispatchKeyGuard(own_key):
+    def below(device, keyset, args, kwargs):
+        original = originals.get(device)
+        with exclude_guard(key_set):
+            if original is not None:
+                return original.call_boxed(keyset, *args, **kwargs)
             return op(*args, **kwargs)
 
-    def run_below_autocast(args, kwargs):
-        with torch._C._ExcludeDispatchKeyGuard(own_key):
-            return op(*args, **kwargs)
-
-    if rule is None:
-        def kernel(keyset, *args, **kwargs):
-            if STATE.active and not policy.in_backward() and args[0].dtype in HALF_DTYPES:
-                raise NotImplementedError(policy.inplace_message(f"aten::{name}", args[0].dtype))
-            return passthrough(keyset, args, kwargs)
-    elif rule is Rule.HALF:
-        # The hot path (linear, conv, matmul in every forward): kept to plain attribute reads.
-        to_half = policy.to_half
-        graph_task_id = torch._C._current_graph_task_id
-        exclude_guard = torch._C._ExcludeDispatchKeyGuard
-
-        def kernel(keyset, *args, **kwargs):
-            if not STATE.active or graph_task_id() != -1:
-                return passthrough(keyset, args, kwargs)
+    def kernel(keyset, *args, **kwargs):
+        # The hot path (linear, conv, matmul in every forward): plain attribute reads.
+        device = "cuda" if keyset.has(_CUDA) else "cpu" if keyset.has(_CPU) else None
+        rule = rules.get(device, _NO_RULE)
+        if rule is _NO_RULE or not STATE.active or graph_task_id() != -1:
+            # A backward pass keeps the dtypes autograd chose (torch's policy, as before O1).
+            return below(device, keyset, args, kwargs)
+        if rule is Rule.HALF:
             dtype = STATE.half_dtype
             args = [to_half(a, dtype) for a in args]
             if kwargs:
                 kwargs = {k: to_half(v, dtype) for k, v in kwargs.items()}
-            with exclude_guard(own_key):
-                return op(*args, **kwargs)
-    else:
-        def kernel(keyset, *args, **kwargs):
-            if not STATE.active or policy.in_backward():
-                return passthrough(keyset, args, kwargs)
+        elif rule is _INPLACE:
+            if args[0].dtype in HALF_DTYPES:
+                raise NotImplementedError(policy.inplace_message(f"aten::{short_name}", args[0].dtype))
+            return below(device, keyset, args, kwargs)
+        else:
             if rule is Rule.BANNED and not STATE.allow_banned:
-                raise NotImplementedError(policy.banned_message(f"aten::{name}"))
+                raise NotImplementedError(policy.banned_message(f"aten::{short_name}"))
             args, kwargs = policy.cast_call(rule, args, kwargs, STATE.half_dtype)
-            return run_below_autocast(args, kwargs)
+        with exclude_guard(key_set):
+            return op(*args, **kwargs)
 
-    kernel.__name__ = f"apex_amp_o1_{name.replace('.', '_')}_{device}"
+    kernel.__name__ = f"apex_amp_o1_{short_name.replace('.', '_')}"
     return kernel
 
 
@@ -126,17 +138,19 @@ class _AutocastKernels:
     def install(self) -> None:
         if self._libraries:
             return
-        for device in DEVICES:
-            library = torch.library.Library("aten", "IMPL")
-            self._libraries.append(library)
-            kernels = list(aten_rules(device))
-            kernels += [(name, None) for row in RULES for name in row.inplace]
-            for name, rule in kernels:
-                library.impl(name, _make_kernel(name, rule, device), _AUTOCAST_KEYS[device], with_keyset=True)
+        self._libraries.append(carrier.install_fallthrough())
+        libraries: dict[str, torch.library.Library] = {}
+        for name, (rules, originals) in _kernel_table().items():
+            namespace = name.partition("::")[0]
+            library = libraries.get(namespace)
+            if library is None:
+                library = libraries[namespace] = torch.library.Library(namespace, "IMPL")
+                self._libraries.append(library)
+            library.impl(name.partition("::")[2], _make_kernel(name, rules, originals), carrier.KEY_NAME,
+                         with_keyset=True)
 
     def uninstall(self) -> None:
-        # Library._destroy removes exactly our registrations, so torch's own autocast
-        # kernels are in charge again.
+        # Library._destroy removes exactly our registrations (and the key's fallthrough).
         for library in self._libraries:
             library._destroy()
         self._libraries.clear()
@@ -146,24 +160,28 @@ _KERNELS = _AutocastKernels()
 
 
 def _autocast_settings() -> dict:
-    return {"enabled": {d: torch.is_autocast_enabled(d) for d in DEVICES},
-            "dtype": {d: torch.get_autocast_dtype(d) for d in DEVICES},
-            "cache": torch.is_autocast_cache_enabled()}
+    return {"dtype": {d: torch.get_autocast_dtype(d) for d in DEVICES},
+            "cache": torch.is_autocast_cache_enabled(),
+            "routed": carrier.is_routed(), "on": carrier.is_on()}
 
 
 def _apply_autocast_settings(settings: dict) -> None:
+    # torch's autocast kernels, which O1 calls for the ops it leaves to torch, cast to torch's
+    # autocast dtype of the device: O1 sets it to its half dtype (the enabled flags it leaves alone).
     for device in DEVICES:
         torch.set_autocast_dtype(device, settings["dtype"][device])
-        torch.set_autocast_enabled(device, settings["enabled"][device])
     torch.set_autocast_cache_enabled(settings["cache"])
+    carrier.route(settings["routed"])
+    carrier.set_on(settings["on"])
 
 
 def activate(half_dtype: torch.dtype, *, allow_banned: bool = False) -> None:
     """Turn the O1 rules on: from now on ops run in the precision the rule table gives them.
 
     The rule kernels and registered functions take effect process-wide; casting happens on
-    the calling thread (torch's autocast switch is per thread, and torch carries it into
-    DataParallel replicas and backward). Calling it again changes the settings.
+    the calling thread (the switch is per thread, carried into backward passes, which the
+    frontend runs under :func:`disable_casts`); torch's autocast flags stay off.
+    Calling it again changes the settings.
 
     Args:
         half_dtype: ``torch.float16`` or ``torch.bfloat16``, the dtype of "half" ops.
@@ -190,9 +208,9 @@ def activate(half_dtype: torch.dtype, *, allow_banned: bool = False) -> None:
         STATE.active = True
         STATE.cache.clear()
         registry.install_wrappers()
-        _apply_autocast_settings({"enabled": {d: True for d in DEVICES},
-                                  "dtype": {d: half_dtype for d in DEVICES},
-                                  "cache": False})  # ours replaces torch's weight cache
+        _apply_autocast_settings({"dtype": {d: half_dtype for d in DEVICES},
+                                  "cache": False,  # ours replaces torch's weight cache
+                                  "routed": True, "on": True})
     logger.debug("apex_amp O1 casting active with %s", half_dtype)
 
 

@@ -22,7 +22,8 @@ _NOTES = """
   floating dtype among the tensor inputs.
 - In-place forms of fp32 ops (e.g. `x.exp_()`) raise on a half tensor instead of running in half.
 - The rules apply to forward and loss; backward and `optimizer.step()` run without them
-  (`amp.disable_casts()` turns them off anywhere).
+  (`amp.disable_casts()` turns them off anywhere; `torch.autocast(device, enabled=False)` does not,
+  and torch's autocast flags stay off: see [below](#o1-and-torchautocast)).
 - Half casts of fp32 weights made by apex_amp's kernels are cached and checked against each weight's
   version counter; torch's own autocast weight cache is off while O1 is active.
 """

@@ -2,8 +2,9 @@
 
 The O1 state is a single object because what it controls is process-wide by nature: the
 kernels registered with torch's dispatcher and the wrapped module attributes are seen by
-every thread. Whether casting happens on a given thread is torch's thread-local autocast
-switch (``torch.set_autocast_enabled``), which is what :func:`disable_casts` flips.
+every thread. Whether casting happens on a given thread is the thread-local switch of
+:mod:`.carrier` (O1's own dispatch key, not torch's autocast flags), which is what
+:func:`disable_casts` flips.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from typing import Any, Iterator
 import torch
 
 from ..._dtypes import HALF_DTYPES, map_tensors
+from . import carrier
 from .cache import WeightCastCache
-from .rules import DEVICES, Rule
+from .rules import Rule
 
 __all__ = ["disable_casts"]
 
@@ -36,7 +38,6 @@ STATE = O1State()
 # -1 outside a backward pass. Autograd runs backward with the autocast state of the caller,
 # so rule kernels see backward calls too; those keep the dtypes autograd chose.
 _graph_task_id = torch._C._current_graph_task_id
-_any_autocast_enabled = torch._C._is_any_autocast_enabled
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -45,8 +46,8 @@ def in_backward() -> bool:
 
 
 def casting_enabled() -> bool:
-    """True when O1 is active, this thread's autocast is on and we are not in backward."""
-    if not (STATE.active and _any_autocast_enabled()):
+    """True when O1 is active, its casts are on on this thread and we are not in backward."""
+    if not (STATE.active and carrier.is_on()):
         return False
     # torch.compile traces forward code, and cannot trace the graph-task query (an int
     # result would break the graph at every O1-wrapped function).
@@ -58,7 +59,8 @@ def disable_casts() -> Iterator[None]:
     """Context manager: no O1 casting on this thread inside the block (nestable).
 
     Ops run in the precision of their inputs, as without amp; the frontend runs
-    ``optimizer.step()`` this way so weights update in fp32.
+    ``optimizer.step()`` this way so weights update in fp32. This is the way out of O1's
+    casts: ``torch.autocast(device, enabled=False)`` leaves them in force, as under apex.
 
     Example::
 
@@ -66,14 +68,12 @@ def disable_casts() -> Iterator[None]:
         >>> with disable_casts():
         ...     y = torch.softmax(torch.randn(2, 3), dim=-1)  # no casts here
     """
-    previous = [(device, torch.is_autocast_enabled(device)) for device in DEVICES]
-    for device in DEVICES:
-        torch.set_autocast_enabled(device, False)
+    previous = carrier.is_on()
+    carrier.set_on(False)
     try:
         yield
     finally:
-        for device, enabled in previous:
-            torch.set_autocast_enabled(device, enabled)
+        carrier.set_on(previous)
 
 
 # -- casts per rule --------------------------------------------------------------------

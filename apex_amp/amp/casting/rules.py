@@ -13,15 +13,14 @@ functions of ``torch.nn.functional`` are Python compositions without an aten
 operator of their own; their rows name the Python attribute instead, and it is
 wrapped while O1 is active.
 
-``native`` lists the devices on which torch's own dispatcher already gives the
-row's rule, so apex_amp registers nothing there: the linear, matmul and convolution ops
-that torch's autocast casts to half (they run in every forward, and the matmul
-primitives in every backward, where a Python kernel would cost time on each call),
-fp32 ops that torch's CUDA policy already runs in fp32, and elementwise ops whose
-promotion torch's type-promotion rules already perform. Anything absent from the
-table runs in the precision of its inputs (torch's autocast may still run it in
-fp32 on a device that has no half kernel for it, e.g. FFTs and linear-algebra
-decompositions on CPU).
+``native`` lists the devices on which torch's own autocast policy already gives the
+row's rule, so O1's kernel hands the call to torch's autocast kernel there
+(:mod:`.dispatch`): the linear, matmul and convolution ops that torch's autocast casts
+to half, fp32 ops that torch's CUDA policy already runs in fp32, and elementwise ops
+whose promotion torch's type-promotion rules already perform. Anything absent from the
+table runs in the precision of its inputs (torch's autocast policy, which O1 applies
+for the ops it casts, may still run it in fp32 on a device that has no half kernel for
+it, e.g. FFTs and linear-algebra decompositions on CPU).
 
 Run ``python -m apex_amp.amp.casting.docs_table OUT.md`` to write the markdown table.
 """
