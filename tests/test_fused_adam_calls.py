@@ -53,7 +53,8 @@ def _state(model, optimizer) -> list[torch.Tensor]:
     tensors += [t.detach().clone() for t in amp.master_params(optimizer)]
     for state in optimizer.state.values():
         tensors += [state[key].clone() for key in ("exp_avg", "exp_avg_sq")]
-    tensors += [group["step"].clone() for group in optimizer.param_groups if "step" in group]
+    # One count per param group: the distinct counts, so one group and three groups line up.
+    tensors.append(torch.tensor(sorted({float(group["step"]) for group in optimizer.param_groups if "step" in group})))
     return tensors
 
 
