@@ -47,8 +47,8 @@ def compiled_devices(namespace: str = "apex_amp") -> list[str]:
 
 
 def _device_type(args: tuple) -> str:
-    # The op's first tensor decides its dispatch key, as in the dispatcher (the list ops
-    # take a list first, which may be empty; their flags come after it).
+    # An op's tensors are all on one device (its checks refuse a mix): the first one found names
+    # it. The list ops take a list first, which may be empty; their flags come after it.
     for arg in args:
         if isinstance(arg, torch.Tensor):
             return arg.device.type
