@@ -1,7 +1,8 @@
 """The build and environment report behind ``python -m apex_amp``.
 
 :func:`collect` gathers the facts (which implementation of the ops is in use
-and why, how the extension was built, which kernels each op has, whether the
+and why, how the extension was built, which kernels each op has, which devices
+have compiled kernels and which run the pure-PyTorch ops, whether the
 host emulation of the CUDA kernels passed in this checkout, the CPU ISA,
 torch, GPUs, threads, and where fp8 training runs) into a plain dict; :func:`format_report` turns them into
 the text the command prints; :func:`problems` says what is missing when a
@@ -17,13 +18,13 @@ from typing import Any
 import torch
 
 from . import __version__, _emulation_status
+from ._device_fallback import DEVICE_KEYS, REBUILD_HINT, compiled_devices
 from ._extension import STATUS
 from .fp8 import device_support
 
 __all__ = ["collect", "format_report", "problems"]
 
 OP_NAMESPACE = "apex_amp"
-KERNEL_KEYS = ("CPU", "CUDA")
 
 
 def _registered_kernels() -> dict[str, list[str]]:
@@ -32,7 +33,7 @@ def _registered_kernels() -> dict[str, list[str]]:
     prefix = OP_NAMESPACE + "::"
     names = sorted(name for name in torch._C._dispatch_get_all_op_names() if name.startswith(prefix))
     return {
-        name[len(prefix):]: [key for key in KERNEL_KEYS
+        name[len(prefix):]: [key for key in DEVICE_KEYS
                              if torch._C._dispatch_has_kernel_for_dispatch_key(name, key)]
         for name in names
     }
@@ -69,6 +70,7 @@ def collect() -> dict[str, Any]:
         "backend": _ops_backend(),
         "build_info": STATUS.build_info(),
         "kernels": _registered_kernels(),
+        "compiled_devices": compiled_devices(OP_NAMESPACE) if STATUS.loaded else [],
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "machine": platform.machine(),
         "torch_version": torch.__version__,
@@ -101,6 +103,17 @@ def _cuda_line(build: dict[str, Any]) -> str:
     return f"compiled for {build.get('cuda_archs') or '?'} with CUDA {build.get('cuda_version') or '?'}"
 
 
+def _devices_line(info: dict[str, Any]) -> str:
+    # Where the ops run compiled, and where the pure-PyTorch ops run instead (apex_amp/_device_fallback.py).
+    if not info["extension_loaded"]:
+        return "none compiled: every device runs the pure-PyTorch ops"
+    compiled = info["compiled_devices"]
+    others = [key for key in DEVICE_KEYS if key not in compiled]
+    line = f"compiled kernels for {' and '.join(compiled) or 'no device'}; "
+    line += f"{' and '.join(others + ['any other device'])} run the pure-PyTorch ops (one warning per device)"
+    return line + (f". {REBUILD_HINT}" if "CUDA" in others else "")
+
+
 def _kernel_lines(kernels: dict[str, list[str]]) -> list[str]:
     if not kernels:
         return ["  ops            none registered in torch.ops.apex_amp"]
@@ -122,6 +135,7 @@ def format_report(info: dict[str, Any]) -> str:
         f"  ops backend    {info['backend']}",
         f"  CPU kernels    {_cpu_line(build)}",
         f"  CUDA kernels   {_cuda_line(build)}",
+        f"  devices        {_devices_line(info)}",
         f"  CUDA emulation {info['cuda_emulation']['text']}",
         *(f"  {key:<14} {value}" for key, value in build.items() if key not in known),
         "kernels per op (torch.ops.apex_amp)",

@@ -3,7 +3,9 @@
 The ops have two implementations with the same signatures: the compiled
 kernels (``torch.ops.apex_amp``) and the pure-PyTorch fallback
 (``torch.ops.apex_amp_fallback``, apex_amp/_fallback.py). This module decides
-once, at import, which one :mod:`apex_amp.ops` calls, and remembers why.
+once, at import, which one :mod:`apex_amp.ops` calls, and remembers why. A
+loaded extension covers every device: one it has no kernels for runs the
+fallback through the dispatcher (apex_amp/_device_fallback.py).
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ derives the rest:
   launcher's signature against this schema, so a mismatch fails at import;
 * the fallback ``torch.ops.apex_amp_fallback.<name>``, which is the function
   itself (it runs the fake kernel's checks first);
+* the kernel of ``torch.ops.apex_amp.<name>`` on every device the extension has
+  no kernel for (CUDA in a CPU-only build, any other device type): the function
+  again, with one warning per device (apex_amp/_device_fallback.py);
 * the fake kernel of both namespaces, for ``torch.compile`` and meta tensors;
 * an entry in :data:`OPS`, from which :mod:`apex_amp.ops` derives a public
   wrapper where it has no hand-written one, the tests their schema and
@@ -29,6 +32,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from . import _device_fallback
 from ._extension import STATUS
 
 __all__ = ["EXTENSION_NAMESPACE", "FALLBACK_NAMESPACE", "OpDef", "OPS", "define", "define_schemas"]
@@ -90,6 +94,7 @@ def define(name: str, *, mutates_args: tuple[str, ...], fake: Callable) -> Calla
         OPS[name] = op
         if STATUS.loaded:
             define_schemas(EXTENSION_NAMESPACE, [op])
+            _device_fallback.register(_library(EXTENSION_NAMESPACE), name, implementation)
         return fallback
 
     return decorate

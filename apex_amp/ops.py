@@ -4,7 +4,10 @@ Each function takes whole lists of tensors and makes one op call for all of
 them. They call the compiled kernels (``torch.ops.apex_amp``) when the
 extension is loaded, otherwise the pure-PyTorch fallback
 (``torch.ops.apex_amp_fallback``) with the same semantics; see
-:data:`apex_amp._extension.STATUS` for which and why.
+:data:`apex_amp._extension.STATUS` for which and why. Where the extension is
+loaded but has no kernel for the tensors' device (CUDA tensors and a CPU-only
+build), the dispatcher runs the pure-PyTorch implementation for that device,
+with one warning (apex_amp/_device_fallback.py).
 
 Conventions:
   * ``found_inf`` is a one-element float32 tensor; ops that check values write
@@ -55,7 +58,8 @@ __all__ = [
     "backend_namespace",
 ]
 
-# "extension" or "fallback": which implementation these wrappers call.
+# "extension" or "fallback": which implementation these wrappers call. "extension" means the compiled
+# kernels on the devices that have them (_device_fallback.compiled_devices()), the fallback elsewhere.
 BACKEND: str = "extension" if STATUS.loaded else "fallback"
 
 def backend_namespace(backend: Optional[str] = None):

@@ -1,6 +1,7 @@
-"""Throwaway venvs for the tests that install packages: the compat distribution, third-party clients.
+"""Throwaway venvs for the tests that install packages: the compat distribution, third-party clients,
+apex_amp's own source distribution.
 
-The venv is made with the project venv's interpreter and sees the project's packages
+A venv from :func:`make_venv` is made with the project venv's interpreter and sees the project's packages
 (torch, apex_amp, setuptools, pip) through one .pth file that runs ``site.addsitedir`` on the
 project venv's site-packages: a plain path line would not process that folder's own .pth files,
 which is where the editable apex_amp install lives. The same .pth file then names the source
@@ -9,6 +10,9 @@ test) even where the project venv's editable install points at another checkout:
 finder only answers after the path entries. Its own site-packages comes first on sys.path, so
 what pip installs there is what gets imported. The compat distribution installs
 from a clean copy of the local folder with ``--no-deps --no-build-isolation --no-index``: no network.
+
+A venv from :func:`make_bare_venv` sees none of that: only the base interpreter's standard
+library and what it installs itself from the package index, as a new user's would.
 """
 
 from __future__ import annotations
@@ -69,3 +73,17 @@ def pip_install_pinned(python: Path, requirements: list[str], *, build_isolation
     return subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
                            *isolation, *requirements], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=env)
+
+
+def make_bare_venv(folder: Path, requirements: list[str], timeout_s: int) -> Path:
+    """A venv that sees none of the project's packages, with ``requirements`` (and their dependencies)
+    installed from the package index; returns its python."""
+    # `python -m venv` run by a venv's interpreter bases the new venv on the base interpreter,
+    # without the project venv's site-packages.
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True, timeout=TIMEOUT_S)
+    python = folder / "bin" / "python"
+    result = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                             *requirements], capture_output=True, text=True, timeout=timeout_s, cwd=folder)
+    if result.returncode != 0:
+        raise RuntimeError(f"pip install {' '.join(requirements)} failed:\n{result.stdout}{result.stderr}")
+    return python
