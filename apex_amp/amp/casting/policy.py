@@ -7,13 +7,13 @@ switch (``torch.set_autocast_enabled``), which is what :func:`disable_casts` fli
 """
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 import torch
 
 from ..._dtypes import HALF_DTYPES, map_tensors
+from ..._torch_compat import autocast_disabled
 from .cache import WeightCastCache
 from .rules import DEVICES, Rule
 
@@ -53,8 +53,7 @@ def casting_enabled() -> bool:
     return _is_compiling() or _graph_task_id() == -1
 
 
-@contextlib.contextmanager
-def disable_casts() -> Iterator[None]:
+def disable_casts() -> ContextManager[None]:
     """Context manager: no O1 casting on this thread inside the block (nestable).
 
     Ops run in the precision of their inputs, as without amp; the frontend runs
@@ -66,14 +65,7 @@ def disable_casts() -> Iterator[None]:
         >>> with disable_casts():
         ...     y = torch.softmax(torch.randn(2, 3), dim=-1)  # no casts here
     """
-    previous = [(device, torch.is_autocast_enabled(device)) for device in DEVICES]
-    for device in DEVICES:
-        torch.set_autocast_enabled(device, False)
-    try:
-        yield
-    finally:
-        for device, enabled in previous:
-            torch.set_autocast_enabled(device, enabled)
+    return autocast_disabled(DEVICES)  # torch's autocast switch, traceable by torch.compile too
 
 
 # -- casts per rule --------------------------------------------------------------------
