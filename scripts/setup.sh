@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything apex_amp needs, in ./.venv of this repository:
-# Python venv, torch 2.14.1, ninja, the test and example dependencies (the
+# Python venv, torch (2.14.1, the pin), ninja, the test and example dependencies (the
 # test extra takes the docs and lightning extras: the suite builds the
 # documentation site and trains with Lightning's Trainer), and apex_amp itself
 # installed in editable mode with its compiled extension.
@@ -11,13 +11,20 @@
 # Safe to run again: what is installed already is kept, and ninja recompiles
 # only the kernel files that changed. Environment (all optional):
 #   PYTHON=python3.11    interpreter for a new venv (default: python3)
+#   TORCH_VERSION=2.11.0 the torch release to install (default: 2.14.1, the pin; the
+#                        tested releases are listed in docs/getting_started.md)
+#   VENV=.venv-torch2.11 the venv's folder (default: .venv); one venv per torch release
+#                        can sit beside .venv, but the compiled extension lives next to
+#                        the sources (apex_amp/_C*.so), so it belongs to the venv that
+#                        built it last: rebuild (run this again) when switching, or
+#                        keep a second clone or git worktree per release
 #   APEX_AMP_CUDA=0|1    build the CUDA kernels or not (default: when a toolkit is found)
 #   CUDA_HOME, TORCH_CUDA_ARCH_LIST, MAX_JOBS: see setup.py
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-TORCH_VERSION=2.14.1
-VENV=.venv
+TORCH_VERSION="${TORCH_VERSION:-2.14.1}"
+VENV="${VENV:-.venv}"
 
 step() { printf '\n== %s (%ss)\n' "$*" "$SECONDS"; }
 # pip warns once per package about every configured local index folder that

@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._dtensor import is_dtensor
 from .._dtypes import HALF_DTYPES
+from .._torch_compat import fsdp2_param_groups
 from .recipe import Recipe
 
 __all__ = ["ShardedModels", "check_fsdp2_models", "fsdp2_modules", "refuse_late_sharding"]
@@ -119,8 +120,8 @@ class ShardedModels:
             module = ref()
             if module is None:
                 continue
-            groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", ())
-            if any(not getattr(group, "reduce_grads", True) for group in groups):
+            groups = fsdp2_param_groups(module._get_fsdp_state())
+            if any(not group.reduce_grads for group in groups):
                 return True
         return False
 

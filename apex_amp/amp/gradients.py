@@ -78,6 +78,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._torch_compat import hash_enum_by_identity
 from ..optimizers.fused_optimizer import AmpStepArgs, FusedOptimizer
 from . import _multi_tensor as mt
 from .grad_clears import Cleared, ClearWatch
@@ -85,6 +86,8 @@ from .master_weights import Fp32ValueOf, MasterLink, OptimizerParams, follow_mod
 
 __all__ = ["GradState", "PassScale", "PassRecord", "GradLifecycle"]
 
+
+@hash_enum_by_identity  # every transition and state test looks states up
 class GradState(enum.Enum):
     EMPTY = "no amp gradients since the last step"
     IN_PASS = "a scale_loss block is open: its backward pass writes new scaled gradients"
@@ -93,10 +96,6 @@ class GradState(enum.Enum):
     DELAYED = "unchecked scaled sums of delay_unscale=True passes of one loss at one scale"
     IN_STEP = "optimizer.step() is running between amp's step hooks"
     SPENT = "a step consumed SCALED gradients; direct parameters' .grad still carry the scale"
-
-    # Members are singletons: hash them by identity, in C (Enum's own __hash__ is Python code
-    # hashing the name, and every transition and state test looks states up).
-    __hash__ = object.__hash__
 
 
 _S = GradState

@@ -1,0 +1,109 @@
+"""The torch releases apex_amp supports, and every difference between them that apex_amp depends on.
+
+One home for both: the rest of the library calls the functions below instead of testing
+``torch.__version__`` or probing attributes itself, so supporting a new release (or dropping an
+old one) touches this module and its tests only. Each function names the releases on either side
+of the difference it bridges.
+
+The tested releases are the ones the whole test suite was seen passing on (Python 3.11, CPU; the
+CUDA kernels are built against each but run on no machine of this project). The oldest of them is
+``pyproject.toml``'s ``torch>=`` floor; ``scripts/setup.sh`` installs ``PINNED_RELEASE`` unless
+``TORCH_VERSION`` says otherwise, and CI runs the fast subset on ``OLDEST_TESTED_RELEASE`` too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from typing import Any, Iterator, TypeVar
+
+import torch
+
+__all__ = [
+    "TESTED_RELEASES", "PINNED_RELEASE", "OLDEST_TESTED_RELEASE", "release",
+    "autocast_disabled", "fsdp2_param_groups", "hash_enum_by_identity",
+]
+
+TESTED_RELEASES = ("2.11.0", "2.14.1", "2.15.0")
+PINNED_RELEASE = "2.14.1"  # what scripts/setup.sh installs by default, and CI's full suite runs on
+OLDEST_TESTED_RELEASE = TESTED_RELEASES[0]
+
+
+def release(version: str = torch.__version__) -> tuple[int, int]:
+    """(major, minor) of a torch version string: ``"2.11.0+cu130"`` and ``"2.16.0a0+git1234"`` alike.
+
+    Example::
+
+        >>> release("2.11.0+cu130")
+        (2, 11)
+    """
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+_RELEASE = release()
+
+
+def fsdp2_param_groups(fsdp_state: Any) -> list:
+    """The ``FSDPParamGroup`` objects of one ``fully_shard`` call (``module._get_fsdp_state()``).
+
+    torch 2.11: one group per call, ``state._fsdp_param_group`` (None when the module owns no
+    parameter). torch 2.12 on: a list, ``state._fsdp_param_groups``; the singular name became a
+    property that raises when there are several groups.
+    """
+    if _RELEASE >= (2, 12):
+        return list(fsdp_state._fsdp_param_groups)
+    group = fsdp_state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+EnumT = TypeVar("EnumT", bound=type[enum.Enum])
+
+
+def hash_enum_by_identity(cls: EnumT) -> EnumT:
+    """``cls`` with its members hashed by identity in C (``object.__hash__``), where torch.compile allows it.
+
+    Enum's own ``__hash__`` is Python code hashing the member's name; a state machine that looks
+    its states up in sets and dicts on every step pays for it. The identity hash is equivalent
+    (members are singletons) but cheaper.
+
+    torch 2.11 and 2.12: dynamo refuses to hash an object whose class defines ``__hash__`` at all
+    ("User-defined object with overridden __hash__"), so a ``torch.compile(fullgraph=True)`` step
+    that looks a state up would fail: there the enum keeps Enum's hash. torch 2.13 on: dynamo
+    hashes ``object.__hash__`` by identity.
+    """
+    if _RELEASE >= (2, 13):
+        cls.__hash__ = object.__hash__
+    return cls
+
+
+# torch 2.11: dynamo does not trace torch.set_autocast_enabled (it is on its skip list: a graph
+# break, an error under fullgraph=True). torch 2.12 on: it is traced into the graph.
+_DYNAMO_SKIPS_SET_AUTOCAST_ENABLED = _RELEASE < (2, 12)
+
+
+@contextlib.contextmanager
+def autocast_disabled(devices: tuple[str, str]) -> Iterator[None]:
+    """Torch's autocast off on this thread for both ``devices`` inside the block; the previous state after.
+
+    The switch is ``torch.set_autocast_enabled``, which costs a C call per device. Where dynamo
+    does not trace it (torch 2.11, see ``_DYNAMO_SKIPS_SET_AUTOCAST_ENABLED``), code being traced by
+    ``torch.compile`` uses ``torch.autocast(device, enabled=False)`` blocks instead: every release
+    traces those, but they cost more in eager (they also save and set the dtype and the cache
+    switch, and count the nesting), so eager code keeps the plain switch on every release.
+    The blocks are nested ``with`` statements: dynamo traces neither an ``ExitStack`` of them nor a
+    loop entering them, hence the fixed pair (the CPU and the CUDA autocast).
+    """
+    if _DYNAMO_SKIPS_SET_AUTOCAST_ENABLED and torch.compiler.is_compiling():
+        first, second = devices
+        with torch.autocast(first, enabled=False), torch.autocast(second, enabled=False):
+            yield
+        return
+    previous = [(device, torch.is_autocast_enabled(device)) for device in devices]
+    for device in devices:
+        torch.set_autocast_enabled(device, False)
+    try:
+        yield
+    finally:
+        for device, enabled in previous:
+            torch.set_autocast_enabled(device, enabled)
