@@ -133,10 +133,11 @@ def _torch_cannot_unscale(grad: Tensor) -> bool:
 
 
 def unscale_written_out_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
-    """``unscale_`` without torch's fused op: the probe of check_finite, then one fp32 multiply per
-    element (foreach ops compute half types in fp32 and round once, as the kernels do)."""
+    """``unscale_`` without torch's fused op: the probe of check_finite, then the product in fp32,
+    rounded once into each gradient. (An in-place foreach multiply of bf16 CUDA tensors by a
+    tensor scalar rounded the scalar to bf16 first: two ulp off on an H200, torch 2.11.)"""
     _flag_nonfinite(found_inf, grads)
-    torch._foreach_mul_(grads, inv_scale.reshape(()))
+    _write(grads, _scaled_fp32(grads, inv_scale))
 
 
 # ---- scale_ and axpby_ ----------------------------------------------------------------------

@@ -105,3 +105,9 @@ def test_the_dry_run_passes_every_step_and_writes_the_summary(tmp_path):
     assert "0 inf/NaN mismatches" in logs["compare_devices"]
     assert "8/8 configurations ran" in logs["sync_free_steps"]
     assert "training 7 configs ok" in logs["bench_training"]
+
+
+def test_the_sanitizer_key_reads_every_tools_summary():
+    assert gpu_check.sanitizer_key("...\n========= ERROR SUMMARY: 3 errors\n") == "3 errors"
+    assert gpu_check.sanitizer_key("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+                                   "KEY: 16/40 rows bit for bit") == "0 hazards"

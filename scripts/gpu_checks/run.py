@@ -97,9 +97,12 @@ def pytest_key(output: str) -> str:
 
 
 def sanitizer_key(output: str) -> str:
-    found = re.findall(r"ERROR SUMMARY: (\d+) errors?", output)
+    # memcheck, synccheck and initcheck end with "ERROR SUMMARY: N errors"; racecheck with
+    # "RACECHECK SUMMARY: N hazards displayed (N errors, N warnings)".
+    found = re.findall(r"(?:ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: (\d+) hazards)", output)
     if found:
-        return f"{found[-1]} errors"
+        errors, hazards = found[-1]
+        return f"{errors} errors" if errors else f"{hazards} hazards"
     return key_after("KEY:")(output)
 
 
