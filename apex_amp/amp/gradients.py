@@ -373,7 +373,9 @@ class GradLifecycle:
             self._clears.arm()
             self._move(GradState.DELAYED)
             return False
-        if self.keeps_scaled and not has_old:
+        # A client that checks the overflow itself (delay_overflow_check) reads and clears the masters'
+        # gradients by hand, as under apex: they are unscaled onto the masters, not held off them.
+        if self.keeps_scaled and not has_old and not scale.client_checks:
             if scale.checked:
                 mt.check_finite(self._new_grads(), found_inf)
             self.held = {}
