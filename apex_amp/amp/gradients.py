@@ -50,7 +50,12 @@ since the previous step reported an overflow, and that pass's scaler backed
 off and logged it, or when the gradients a skipped step left are still not
 finite (``step_found_inf`` is the OR of those flags). A DELAYED accumulation
 is checked when it is taken in, under one flag for every optimizer it covers
-(``AmpSession.take_in_accumulation``): one record, one scale update.
+(``AmpSession.take_in_accumulation``): one record, one scale update. A
+pass with ``delay_overflow_check=True`` leaves its skip and its scale update
+to the client (apex's ``update_scale()``, once per step): its gradients are
+unscaled onto the masters (never held), and its flag only keeps a step from
+applying them; it ends when the client has set them all to None instead of
+stepping (``_end_cleared_guard``).
 
 States (``GradState``) and transitions (``_TRANSITIONS``; ``_move`` is the
 only writer of ``state``)::
