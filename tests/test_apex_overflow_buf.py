@@ -130,12 +130,14 @@ def _fused_adam(model):
     return FusedAdam(model.parameters(), lr=0.01)
 
 
-@pytest.fixture(params=["SGD", "FusedAdam"])
+@pytest.fixture(params=[(level, kind) for level in ("O1", "O2") for kind in ("SGD", "FusedAdam")],
+                ids=lambda param: "-".join(param))
 def client_initialized(request, half_dtype):
+    opt_level, kind = request.param
     model = small_model()
-    optimizer = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if request.param == "SGD"
+    optimizer = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if kind == "SGD"
                  else _fused_adam(model))
-    amp.initialize(model, optimizer, opt_level="O2", half_dtype=half_dtype, loss_scale="dynamic", verbosity=0)
+    amp.initialize(model, optimizer, opt_level=opt_level, half_dtype=half_dtype, loss_scale="dynamic", verbosity=0)
     return model, optimizer
 
 
