@@ -228,8 +228,8 @@ _DLE_RUN = {}
 def dle_bert_like_pretraining_run():
     """12 steps of 4 micro-batches through run_pretraining's hand-made all-reduce step, once per process.
 
-    FusedLAMB at O2 from DLE's initial scale 2**20 (the first step overflows, as BERT's does), a
-    micro-batch of step 3 made to overflow. Returns per step: whether the client stepped,
+    FusedLAMB at O2 from DLE's initial scale 2**20 (the first steps overflow, each backing the
+    scale off once, as BERT's do), a micro-batch of step 6 made to overflow. Returns per step: whether the client stepped,
     whether the weights changed, the scale after it, the mean loss before it.
     """
     if _DLE_RUN:
@@ -252,7 +252,7 @@ def dle_bert_like_pretraining_run():
         for micro in range(4):
             loss = F.cross_entropy(model(inputs[micro].half()).float(), targets[micro])
             total += loss.item()
-            blow_up = 1e30 if step == 3 and micro == 2 else 1.0
+            blow_up = 1e30 if step == 6 and micro == 2 else 1.0
             with amp.scale_loss(loss * blow_up, optimizer, delay_overflow_check=True) as scaled:
                 scaled.backward()
         before = [p.detach().clone() for p in amp.master_params(optimizer)]
@@ -270,10 +270,10 @@ def dle_bert_like_pretraining_run():
 def dle_bert_like_allreduce_post_accumulation_skips_overflows_and_trains():
     run = dle_bert_like_pretraining_run()
     assert all(run["finite"]), run
-    assert run["stepped"][0] is False and run["stepped"][3] is False, run  # 2**20 overflows; the blown-up step
-    assert not run["changed"][0] and not run["changed"][3], run
-    assert run["scales"][0] < 2.0**20 and run["scales"][3] < run["scales"][2], run
-    assert sum(run["stepped"]) == 10 and sum(run["changed"]) >= 8, run
+    assert run["stepped"][0] is False and run["stepped"][6] is False, run  # 2**20 overflows; the blown-up step
+    assert not run["changed"][0] and not run["changed"][6], run
+    assert run["scales"][0] == 2.0**19 and run["scales"][6] == run["scales"][5] / 2, run  # once per step
+    assert sum(run["stepped"]) >= 6 and sum(run["changed"]) >= 6, run
     assert run["losses"][-1] < 0.95 * run["losses"][0], run
 
 
@@ -284,6 +284,111 @@ def dle_bert_like_every_step_the_client_takes_changes_the_weights():
     run = dle_bert_like_pretraining_run()
     taken = [changed for stepped, changed in zip(run["stepped"], run["changed"]) if stepped]
     assert all(taken), run
+
+
+def _apex_scale_rule(scale, unskipped, overflowed, window):
+    """apex's dynamic LossScaler.update_scale: halve on an overflow, double after `window` clean updates."""
+    if overflowed:
+        return scale / 2.0, 0
+    unskipped += 1
+    return (scale * 2.0, 0) if unskipped == window else (scale, unskipped)
+
+
+_BERT_FLOW = {}
+
+
+def dle_bert_flow_run():
+    """10 steps of run_pretraining's --allreduce_post_accumulation flow, written here from scratch.
+
+    3 micro-batches per step through scale_loss(..., delay_overflow_check=True) (the first two also
+    with delay_unscale=True, as a client accumulating in half would), the master gradients
+    pre-divided into one flat buffer with amp_C.multi_tensor_scale, all-reduced over a one-rank
+    gloo group, scaled back with the overflow written into the client's own int buffer, that
+    buffer in the scaler's _overflow_buf, update_scale(), then the step or the gradients dropped.
+    FusedLAMB at O2 from BERT's scale 2**20, scale_window=3, a micro-batch of steps 4 and 8 blown
+    up. Per step: the client's own overflow reading, whether it stepped, whether the masters
+    changed, the scale before and after, the scaler's overflow count after.
+    """
+    if _BERT_FLOW:
+        return _BERT_FLOW
+    import amp_C
+    import apex_C
+    from apex import amp
+    from apex.amp import _amp_state
+    from apex.multi_tensor_apply import multi_tensor_applier
+    from apex.optimizers import FusedLAMB
+
+    one_rank_gloo()
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    optimizer = FusedLAMB(model.parameters(), lr=0.02)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", loss_scale="dynamic", scale_window=3,
+                                      verbosity=0)
+    _amp_state.loss_scalers[0]._loss_scale = 2.0**20
+    overflow_buf = torch.zeros(1, dtype=torch.int)
+    inputs, targets = torch.randn(3, 8, 16), torch.randint(0, 4, (3, 8))
+    accumulation = 3
+    for step in range(10):
+        scale_before = _amp_state.loss_scalers[0].loss_scale()
+        for micro in range(accumulation):
+            loss = F.cross_entropy(model(inputs[micro].half()).float(), targets[micro])
+            blow_up = 1e30 if step in (4, 8) and micro == 1 else 1.0
+            with amp.scale_loss(loss * blow_up, optimizer, delay_unscale=micro < accumulation - 1,
+                                delay_overflow_check=True) as scaled:
+                scaled.backward()
+        scaler = _amp_state.loss_scalers[0]
+        loss_scale = scaler.loss_scale()
+        master_grads = [p.grad for p in amp.master_params(optimizer) if p.grad is not None]
+        flat = torch.empty(sum(g.numel() for g in master_grads), dtype=torch.float32)
+        views = apex_C.unflatten(flat, master_grads)
+        overflow_buf.zero_()
+        multi_tensor_applier(amp_C.multi_tensor_scale, overflow_buf, [master_grads, views],
+                             loss_scale / (dist.get_world_size() * accumulation))
+        dist.all_reduce(flat)
+        overflow_buf.zero_()
+        multi_tensor_applier(amp_C.multi_tensor_scale, overflow_buf, [views, master_grads], 1.0 / loss_scale)
+        client_saw_overflow = bool(overflow_buf.item())
+        own_buf, scaler._overflow_buf = scaler._overflow_buf, overflow_buf
+        skip = scaler.update_scale()
+        scaler._overflow_buf = own_buf
+        before = [p.detach().clone() for p in amp.master_params(optimizer)]
+        if not skip:
+            optimizer.step()
+        else:
+            for param in optimizer._amp_stash.all_fp32_from_fp16_params:
+                param.grad = None
+        for param in model.parameters():
+            param.grad = None
+        run = _BERT_FLOW
+        run.setdefault("client_overflow", []).append(client_saw_overflow)
+        run.setdefault("skipped", []).append(bool(skip))
+        run.setdefault("changed", []).append(
+            any(not torch.equal(b, p) for b, p in zip(before, amp.master_params(optimizer))))
+        run.setdefault("scale_before", []).append(scale_before)
+        run.setdefault("scale_after", []).append(scaler.loss_scale())
+        run.setdefault("overflows", []).append(amp.state_dict()["loss_scaler0"]["overflows"])
+    return _BERT_FLOW
+
+
+@check
+def dle_bert_flow_updates_the_scale_once_per_step_as_apex():
+    run = dle_bert_flow_run()
+    assert run["client_overflow"][0] and run["client_overflow"][4] and run["client_overflow"][8], run
+    assert run["skipped"] == run["client_overflow"], run
+    scale, unskipped, grew = 2.0**20, 0, False
+    for step, overflowed in enumerate(run["client_overflow"]):
+        assert run["scale_before"][step] == scale, (step, run)
+        scale, unskipped = _apex_scale_rule(scale, unskipped, overflowed, window=3)
+        grew = grew or scale > run["scale_before"][step]
+        assert run["scale_after"][step] == scale, (step, run)
+        assert run["overflows"][step] == sum(run["client_overflow"][:step + 1]), (step, run)
+    assert grew, run
+
+
+@check
+def dle_bert_flow_changes_the_weights_on_every_clean_step_and_nothing_on_an_overflow():
+    run = dle_bert_flow_run()
+    assert run["changed"] == [not overflowed for overflowed in run["client_overflow"]], run
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ gradients itself, has ``amp_C.multi_tensor_scale`` write an overflow into its ow
 puts the buffer in the scaler's ``_overflow_buf``, calls ``update_scale()`` and steps only when it
 returns a false value. The scale must then move by amp's own rule, exactly as the same overflows
 met in backward passes move it; and apex's first API ``amp.init`` exists and says what to use.
+Its passes use ``scale_loss(..., delay_overflow_check=True)``, which (as in apex) leaves the scale
+update to ``update_scale()``, once per step; amp still never applies gradients it saw non-finite,
+and a step the client skipped by dropping the gradients does not skip the next one.
 """
 
 from __future__ import annotations
@@ -119,3 +122,99 @@ def test_amp_init_exists_and_names_initialize_when_called():
         init()
     with pytest.raises(RuntimeError, match="leave amp out"):
         init(enabled=False)
+
+
+# ---- scale_loss(..., delay_overflow_check=True): the client's update_scale() updates the scale ----
+def _fused_adam(model):
+    from apex_amp.optimizers import FusedAdam
+    return FusedAdam(model.parameters(), lr=0.01)
+
+
+@pytest.fixture(params=[(level, kind) for level in ("O1", "O2") for kind in ("SGD", "FusedAdam")],
+                ids=lambda param: "-".join(param))
+def client_initialized(request, half_dtype):
+    opt_level, kind = request.param
+    model = small_model()
+    optimizer = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if kind == "SGD"
+                 else _fused_adam(model))
+    amp.initialize(model, optimizer, opt_level=opt_level, half_dtype=half_dtype, loss_scale="dynamic", verbosity=0)
+    return model, optimizer
+
+
+def _unchecked_pass(model, optimizer, blow_up=1.0, delay_unscale=False, seed=0):
+    loss = model(torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))).float().pow(2).mean()
+    with amp.scale_loss(loss * blow_up, optimizer, delay_unscale=delay_unscale, delay_overflow_check=True) as scaled:
+        scaled.backward()
+
+
+def _weights(model, optimizer):
+    return [p.detach().clone() for p in [*model.parameters(), *amp.master_params(optimizer)]]
+
+
+def _changed(before, model, optimizer):
+    return any(not torch.equal(b, p) for b, p in zip(before, [*model.parameters(), *amp.master_params(optimizer)]))
+
+
+def test_an_overflowing_pass_with_delay_overflow_check_leaves_the_scale_to_update_scale(client_initialized):
+    model, optimizer = client_initialized
+    _unchecked_pass(model, optimizer, blow_up=1e38)
+    assert amp.loss_scale() == 2.0**16
+    assert amp.state_dict()["loss_scaler0"]["overflows"] == 0
+    scaler = amp._amp_state.loss_scalers[0]
+    scaler._overflow_buf.fill_(1)  # what the client's own amp_C check of the gradients found
+    assert scaler.update_scale() is True
+    assert amp.loss_scale() == 2.0**15 and amp.state_dict()["loss_scaler0"]["overflows"] == 1
+
+
+def test_an_accumulation_with_delay_overflow_check_is_one_scale_update_per_step(client_initialized):
+    # BERT: N micro-batches (the first N - 1 with delay_unscale), then update_scale() once.
+    model, optimizer = client_initialized
+    scaler = amp._amp_state.loss_scalers[0]
+    for step in range(3):
+        for micro in range(4):
+            _unchecked_pass(model, optimizer, delay_unscale=micro < 3, seed=micro)
+        assert scaler.update_scale() is False
+        optimizer.step()
+        optimizer.zero_grad()
+        assert scaler._unskipped == step + 1 and amp.loss_scale() == 2.0**16
+
+
+def test_a_step_after_an_overflowing_pass_with_delay_overflow_check_is_still_skipped(client_initialized):
+    # The client decides the skip, but amp never applies gradients it saw non-finite.
+    model, optimizer = client_initialized
+    _unchecked_pass(model, optimizer, blow_up=1e38)
+    before = _weights(model, optimizer)
+    optimizer.step()
+    assert not _changed(before, model, optimizer)
+    assert all(torch.isfinite(p).all() for p in [*model.parameters(), *amp.master_params(optimizer)])
+
+
+def test_a_step_the_client_skipped_by_dropping_its_gradients_does_not_skip_the_next(client_initialized):
+    # NVIDIA's BERT on an overflow: no optimizer.step(), `param.grad = None` on masters and model.
+    model, optimizer = client_initialized
+    scaler = amp._amp_state.loss_scalers[0]
+    _unchecked_pass(model, optimizer, blow_up=1e38)
+    scaler._overflow_buf.fill_(1)
+    assert scaler.update_scale() is True
+    for param in [*optimizer._amp_stash.all_fp32_from_fp16_params, *model.parameters()]:
+        param.grad = None
+    _unchecked_pass(model, optimizer)
+    assert scaler.update_scale() is False
+    before = _weights(model, optimizer)
+    optimizer.step()
+    assert _changed(before, model, optimizer)
+    assert amp.loss_scale() == 2.0**15 and amp.state_dict()["loss_scaler0"]["overflows"] == 1
+
+
+def test_a_clear_after_an_overflowing_checked_pass_still_skips_the_step(client_initialized):
+    # Without delay_overflow_check the skip is amp's (apex patched the step at the pass's exit).
+    model, optimizer = client_initialized
+    loss = model(torch.randn(6, 4)).float().pow(2).mean() * 1e38
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    for param in [*amp.master_params(optimizer), *model.parameters()]:
+        param.grad = None
+    _unchecked_pass(model, optimizer)
+    before = _weights(model, optimizer)
+    optimizer.step()
+    assert not _changed(before, model, optimizer)

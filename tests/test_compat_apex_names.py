@@ -8,7 +8,11 @@ Reducer on a one-rank gloo group, the norms against torch.nn.LayerNorm / RMSNorm
 decorated at import under O1), and a client written like DeepLearningExamples' BERT
 (``_dle_bert_like.py``): it binds amp_C's LAMB stages, apex_C and flat_dist_call at import, its
 two-stage LAMB trains like FusedLAMB, and its hand-made all-reduce step (``_overflow_buf``,
-``update_scale()``) skips an overflowing step and trains. Each check is one test here.
+``update_scale()``) skips an overflowing step and trains; and the same ``--allreduce_post_accumulation``
+flow written out in the script (``scale_loss(..., delay_unscale=..., delay_overflow_check=True)``
+micro-batches, ``multi_tensor_applier(amp_C.multi_tensor_scale, overflow_buf, ...)``, the flat
+all-reduce, ``update_scale()``, the skip by dropping the gradients) moves the scale once per step
+along apex's trajectory and changes the weights on every clean step only. Each check is one test here.
 
 Costs: the venv and install ~4 s, the script ~6 s.
 """
@@ -41,17 +45,9 @@ CHECKS = [
     "dle_bert_like_module_imports_and_its_two_stage_lamb_trains_like_fused_lamb",
     "dle_bert_like_allreduce_post_accumulation_skips_overflows_and_trains",
     "dle_bert_like_every_step_the_client_takes_changes_the_weights",
+    "dle_bert_flow_updates_the_scale_once_per_step_as_apex",
+    "dle_bert_flow_changes_the_weights_on_every_clean_step_and_nothing_on_an_overflow",
 ]
-
-# Fails today: after a step the client skipped by itself (no optimizer.step(), the gradients dropped
-# with `param.grad = None`), amp still holds that step's overflow and skips the next clean step.
-# The gradient lifecycle's rule for skipped steps (issue 25, items 1-2: a skipped step's
-# gradients, once cleared, no longer keep a step skipped) is what makes it pass.
-KNOWN_FAILURES = {
-    "dle_bert_like_every_step_the_client_takes_changes_the_weights":
-        "amp keeps a client-skipped step's overflow for the next step after `param.grad = None` (issue 25, items 1-2)",
-}
-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
@@ -69,9 +65,7 @@ def test_every_check_of_the_script_is_a_test_here(results):
     assert sorted(results) == sorted(CHECKS)
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[name]))
-    if name in KNOWN_FAILURES else name for name in CHECKS])
+@pytest.mark.parametrize("name", CHECKS)
 def test_apex_names_behave_as_apex(results, name):
     assert results[name] == "ok", results[name]
 

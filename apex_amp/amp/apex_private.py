@@ -140,7 +140,9 @@ class LossScalerView:
     does. ``update_scale()`` reads it, updates the scale by amp's own rule (the update a checked
     backward pass makes: back off on an overflow, grow after ``scale_window`` clean updates,
     the overflow message), clears the buffer, and returns whether the step should be skipped.
-    The view is one object per scaler, so a buffer set on it stays.
+    The view is one object per scaler, so a buffer set on it stays. Passes through
+    ``scale_loss(..., delay_overflow_check=True)`` leave the scale to ``update_scale()``, as in
+    apex: one update per step, however many micro-batches.
 
     .. note:: Reading a value is a host read of the device scale (a sync on CUDA); so is
        ``update_scale()``, which reads the flag (as apex's did).

@@ -68,8 +68,15 @@ def scale_loss(
             Set by itself for a model sharded by FSDP2 under
             ``set_requires_gradient_sync(False)``, whose gradients stay inside
             FSDP2 until the synchronising backward.
-        delay_overflow_check: accepted for apex compatibility; the check never
-            syncs with the host here, so there is nothing to delay.
+        delay_overflow_check: apex's overflow check by hand (NVIDIA's BERT
+            ``--allreduce_post_accumulation``): the gradients are checked and
+            unscaled as usual, but this loss's scale is not updated at the exit:
+            the client reads its own overflow buffer and calls
+            ``amp._amp_state.loss_scalers[loss_id].update_scale()`` once per
+            step, which updates the scale and says whether to skip. A step is
+            still skipped while gradients this pass found non-finite are there;
+            the client may instead skip by not stepping and setting the
+            gradients to None (masters and model), which ends them.
 
     .. note::
         Nothing in this context manager syncs with the host. With a
@@ -113,7 +120,7 @@ def scale_loss(
     ):
         yield from _pass_in_place(loss, session, lifecycles)
     else:
-        yield from _checked_pass(loss, session, lifecycles, loss_id, model, delay_unscale)
+        yield from _checked_pass(loss, session, lifecycles, loss_id, model, delay_unscale, delay_overflow_check)
 
 
 def _pass_in_place(loss: Tensor, session: AmpSession, lifecycles: list[GradLifecycle]) -> Iterator[Tensor]:
@@ -163,7 +170,7 @@ def _warn_if_unreached(session: AmpSession, lifecycles: list[GradLifecycle]) -> 
 
 def _checked_pass(
     loss: Tensor, session: AmpSession, lifecycles: list[GradLifecycle], loss_id: int,
-    model: Optional[torch.nn.Module], delay_unscale: bool,
+    model: Optional[torch.nn.Module], delay_unscale: bool, client_checks: bool,
 ) -> Iterator[Tensor]:
     scaler = session.scalers[loss_id]
     session.flush_logs(check_collapse=True)  # raises once a loss scale has collapsed
@@ -210,7 +217,7 @@ def _checked_pass(
     found_inf = scaler.found_inf_for_pass()  # zeroed; nothing keeps it past this exit
     scale = PassScale(
         loss_id=loss_id, epoch=scaler.scale_epoch, inv_scale=scaler.inv_scale(),  # the scale these gradients carry
-        unit=scaler.static_value == 1.0, checked=scaler.check_finite,
+        unit=scaler.static_value == 1.0, checked=scaler.check_finite, client_checks=client_checks,
     )
     checked = [lifecycle for lifecycle in lifecycles if lifecycle.end_pass(scale, found_inf, delay_unscale)]
     if checked:
@@ -219,6 +226,6 @@ def _checked_pass(
         others = session.take_in_accumulation(scale.key, found_inf)
         if others is not None:
             checked += [lifecycle for lifecycle in others.lifecycles if lifecycle not in checked]
-        session.account(PassRecord(loss_id, found_inf, tuple(checked), scale.inv_scale))
+        session.account(PassRecord(loss_id, found_inf, tuple(checked), scale.inv_scale, client_checks))
     if session.properties.patch_torch_functions:
         casting.clear_cache()

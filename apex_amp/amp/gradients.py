@@ -50,7 +50,12 @@ since the previous step reported an overflow, and that pass's scaler backed
 off and logged it, or when the gradients a skipped step left are still not
 finite (``step_found_inf`` is the OR of those flags). A DELAYED accumulation
 is checked when it is taken in, under one flag for every optimizer it covers
-(``AmpSession.take_in_accumulation``): one record, one scale update.
+(``AmpSession.take_in_accumulation``): one record, one scale update. A
+pass with ``delay_overflow_check=True`` leaves its skip and its scale update
+to the client (apex's ``update_scale()``, once per step): its gradients are
+unscaled onto the masters (never held), and its flag only keeps a step from
+applying them; it ends when the client has set them all to None instead of
+stepping (``_end_cleared_guard``).
 
 States (``GradState``) and transitions (``_TRANSITIONS``; ``_move`` is the
 only writer of ``state``)::
@@ -121,6 +126,8 @@ class PassScale(NamedTuple):
     inv_scale: Tensor  # one-element float32 device tensor
     unit: bool  # the static scale 1.0: nothing to multiply
     checked: bool  # check for inf/NaN (and skip the step on overflow)
+    # delay_overflow_check=True: the client updates the scale itself (update_scale()), once per step
+    client_checks: bool = False
 
     @property
     def key(self) -> tuple[int, int]:
@@ -139,6 +146,9 @@ class PassRecord(NamedTuple):
     found_inf: Tensor
     lifecycles: tuple["GradLifecycle", ...]
     inv_scale: Tensor
+    # delay_overflow_check=True: the session leaves the scale update to the client's update_scale(), and
+    # the flag only keeps the step from applying these gradients (GradLifecycle.note_found_inf)
+    client_checks: bool = False
 
 
 class _OpenPass(NamedTuple):
@@ -196,6 +206,9 @@ class GradLifecycle:
         self._leftovers_suspect = False
         # OR of the checked passes' flags since the last step, and of what _carry_leftovers found.
         self.step_found_inf: Optional[Tensor] = None
+        # Every flag in step_found_inf came from passes whose skip is the client's (delay_overflow_check):
+        # it guards their gradients only, and ends when they are all cleared (_end_cleared_guard).
+        self._flag_guards_only = False
         self.last_step_found_inf: Optional[Tensor] = None
         self._masters_reconciled = False
         self._open_pass: Optional[_OpenPass] = None
@@ -304,6 +317,7 @@ class GradLifecycle:
         self._check_can_open_pass()
         self.sync_params()
         self._reconcile_masters_once()
+        self._end_cleared_guard()
         if self.state is GradState.DELAYED:
             self._follow_clears()
         if self.state is GradState.DELAYED and self.kept_scale.key == key:
@@ -363,7 +377,9 @@ class GradLifecycle:
             self._clears.arm()
             self._move(GradState.DELAYED)
             return False
-        if self.keeps_scaled and not has_old:
+        # A client that checks the overflow itself (delay_overflow_check) reads and clears the masters'
+        # gradients by hand, as under apex: they are unscaled onto the masters, not held off them.
+        if self.keeps_scaled and not has_old and not scale.client_checks:
             if scale.checked:
                 mt.check_finite(self._new_grads(), found_inf)
             self.held = {}
@@ -380,12 +396,17 @@ class GradLifecycle:
         self._move(GradState.UNSCALED)
         return scale.checked
 
-    def note_found_inf(self, found_inf: Tensor, overflowed: Optional[bool] = None) -> None:
+    def note_found_inf(self, found_inf: Tensor, overflowed: Optional[bool] = None, guards_only: bool = False) -> None:
         """Add an accounted pass's flag to the next step's (no host sync).
 
         ``overflowed``: the flag's value when the host knows it already (a CPU flag). A clean
         pass then adds nothing, and needs no copy: the shared zero flag stands for it.
+        ``guards_only``: the pass left its skip to the client (``delay_overflow_check=True``, apex's
+        ``update_scale()`` flow): the flag keeps a step from applying its gradients, and ends when
+        the client clears them all instead of stepping (``_end_cleared_guard``).
         """
+        first = self.step_found_inf is None
+        self._flag_guards_only = guards_only and (first or self._flag_guards_only)
         if overflowed is False:
             if self.step_found_inf is None:
                 self.step_found_inf = self._clean_flag
@@ -394,6 +415,16 @@ class GradLifecycle:
             self.step_found_inf = found_inf.clone()  # private: the scaler reuses its flag buffer
         else:
             torch.maximum(self.step_found_inf, found_inf.to(self.step_found_inf.device), out=self.step_found_inf)
+
+    def _end_cleared_guard(self) -> None:
+        # A client that checks the overflow itself (delay_overflow_check=True) skips an overflowing
+        # step by not stepping and dropping the gradients (param.grad = None, as NVIDIA's BERT does):
+        # with none of them left, their flag guards nothing and must not skip the next step. (A pass
+        # whose skip is amp's keeps it past a clear: apex had patched the step to skip by then.)
+        if (self._flag_guards_only and self.step_found_inf is not None
+                and self.state in _IN_PLACE_STATES and not self._holds_grads()):
+            self.step_found_inf = None
+            self._flag_guards_only = False
 
     def delayed_key(self) -> Optional[tuple[int, int]]:
         """(loss_id, scale epoch) of a DELAYED accumulation (None in the other states)."""
@@ -530,6 +561,7 @@ class GradLifecycle:
         self._reconcile_masters_once()
         if self.state is GradState.SPENT:
             self.settle()  # leftover scaled direct gradients must not reach the step scaled
+        self._end_cleared_guard()
         if self.state is GradState.EMPTY:  # no pass since the last step: it may have been skipped
             self._carry_leftovers([p.grad for p in self.params.direct if p.grad is not None])
         found_inf = self.step_found_inf
@@ -569,6 +601,7 @@ class GradLifecycle:
         self.held = {}
         flag = self.last_step_found_inf = self.step_found_inf
         self.step_found_inf = None
+        self._flag_guards_only = False
         # What the step left on direct params is checked again by the next event if it may have been
         # skipped (a non-fused skip; a fused step's flag is looked at then, not in the step's hooks,
         # which torch.compile traces: a tensor compared there would be one more guard).
@@ -632,6 +665,7 @@ class GradLifecycle:
             return
         self._leftovers_suspect = False
         if grads and self.last_step_found_inf is not self._clean_flag:  # (the host's clean flag: taken)
+            self._flag_guards_only = False
             self.step_found_inf = self._scratch_flag()
             mt.check_finite(grads, self.step_found_inf)
 

@@ -119,14 +119,16 @@ class AmpSession:
     def account(self, record: PassRecord) -> None:
         """The one place a checked backward pass is accounted (no host sync unless reports are on).
 
-        The ranks agree on its flag, its loss's scale is updated (and an overflow logged), each
+        The ranks agree on its flag, its loss's scale is updated (and an overflow logged) unless
+        the pass left that to the client (``delay_overflow_check=True``: ``update_scale()``), each
         optimizer whose gradients it checked notes the flag for its next step, and an overflow
         report is recorded when the user asked for them.
         """
         distributed.agree_on_overflow(record.found_inf, self.overflow_group)
-        overflowed = self.scalers[record.loss_id].update(record.found_inf)
+        # delay_overflow_check=True: the client updates the scale once per step (update_scale()).
+        overflowed = None if record.client_checks else self.scalers[record.loss_id].update(record.found_inf)
         for lifecycle in record.lifecycles:
-            lifecycle.note_found_inf(record.found_inf, overflowed)
+            lifecycle.note_found_inf(record.found_inf, overflowed, guards_only=record.client_checks)
         if self.overflow_recorder is not None:
             self.overflow_recorder.record(record.found_inf, record.loss_id, record.inv_scale, record.lifecycles)
 
@@ -158,16 +160,16 @@ class AmpSession:
         the accumulation is accounted once (by the caller, with the returned record; None when
         nothing checked was taken in).
         """
-        taken, inv_scale = [], None
+        taken, kept_scale = [], None
         for lifecycle in list(self.lifecycles.values()):
             if lifecycle.delayed_key() == key:
                 kept = lifecycle.settle(found_inf)
                 if kept is not None:
                     taken.append(lifecycle)
-                    inv_scale = kept.inv_scale
+                    kept_scale = kept
         if not taken:
             return None
-        return PassRecord(key[0], found_inf, tuple(taken), inv_scale)
+        return PassRecord(key[0], found_inf, tuple(taken), kept_scale.inv_scale, kept_scale.client_checks)
 
     def accumulates_in_fsdp2(self) -> bool:
         """Whether a backward now leaves its gradients inside FSDP2 (``set_requires_gradient_sync(False)``)."""
