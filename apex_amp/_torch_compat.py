@@ -83,27 +83,24 @@ _DYNAMO_SKIPS_SET_AUTOCAST_ENABLED = _RELEASE < (2, 12)
 
 
 @contextlib.contextmanager
-def autocast_disabled(devices: tuple[str, str]) -> Iterator[None]:
-    """Torch's autocast off on this thread for both ``devices`` inside the block; the previous state after.
+def autocast_disabled(device: str) -> Iterator[None]:
+    """Torch's autocast flag of ``device`` off on this thread inside the block; the previous state after.
 
-    The switch is ``torch.set_autocast_enabled``, which costs a C call per device. Where dynamo
-    does not trace it (torch 2.11, see ``_DYNAMO_SKIPS_SET_AUTOCAST_ENABLED``), code being traced by
-    ``torch.compile`` uses ``torch.autocast(device, enabled=False)`` blocks instead: every release
-    traces those, but they cost more in eager (they also save and set the dtype and the cache
-    switch, and count the nesting), so eager code keeps the plain switch on every release.
-    The blocks are nested ``with`` statements: dynamo traces neither an ``ExitStack`` of them nor a
-    loop entering them, hence the fixed pair (the CPU and the CUDA autocast).
+    The switch is ``torch.set_autocast_enabled``, one C call. Where dynamo does not trace it
+    (torch 2.11, see ``_DYNAMO_SKIPS_SET_AUTOCAST_ENABLED``), code being traced by
+    ``torch.compile`` uses a ``torch.autocast(device, enabled=False)`` block instead: every
+    release traces those, but they cost more in eager (they also save and set the dtype and the
+    cache switch, and count the nesting), so eager code keeps the plain switch on every release.
+    O1's casts are switched this way (their carrier is the flag of a device of their own, see
+    ``apex_amp.amp.casting.carrier``).
     """
     if _DYNAMO_SKIPS_SET_AUTOCAST_ENABLED and torch.compiler.is_compiling():
-        first, second = devices
-        with torch.autocast(first, enabled=False), torch.autocast(second, enabled=False):
+        with torch.autocast(device, enabled=False):
             yield
         return
-    previous = [(device, torch.is_autocast_enabled(device)) for device in devices]
-    for device in devices:
-        torch.set_autocast_enabled(device, False)
+    previous = torch.is_autocast_enabled(device)
+    torch.set_autocast_enabled(device, False)
     try:
         yield
     finally:
-        for device, enabled in previous:
-            torch.set_autocast_enabled(device, enabled)
+        torch.set_autocast_enabled(device, previous)

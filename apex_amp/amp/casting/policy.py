@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from ..._dtypes import HALF_DTYPES, map_tensors
+from ..._torch_compat import autocast_disabled
 from . import carrier
 from .cache import WeightCastCache
 from .rules import Rule
@@ -68,12 +69,8 @@ def disable_casts() -> Iterator[None]:
         >>> with disable_casts():
         ...     y = torch.softmax(torch.randn(2, 3), dim=-1)  # no casts here
     """
-    previous = carrier.is_on()
-    carrier.set_on(False)
-    try:
+    with autocast_disabled(carrier.DEVICE):  # the carrier's switch, traced by torch.compile on every release
         yield
-    finally:
-        carrier.set_on(previous)
 
 
 # -- casts per rule --------------------------------------------------------------------
