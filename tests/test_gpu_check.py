@@ -97,7 +97,7 @@ def test_the_dry_run_passes_every_step_and_writes_the_summary(tmp_path):
     assert done.stdout.rstrip().splitlines()[-1].startswith("| initcheck | ok |")
     assert (tmp_path / "summary.md").read_text().count("| ok |") == len(STEP_NAMES)
     # The build's command and environment are those of a real run (only not executed).
-    assert "would run: -m pip install --no-build-isolation --no-deps -e ." in logs["build"]
+    assert f"would run: {sys.executable} -m pip install --no-build-isolation --no-deps -e ." in logs["build"]
     assert "# TORCH_CUDA_ARCH_LIST=9.0" in logs["build"]
     # The CUDA tests are collected (a renamed file or marker would show here), and every program ran.
     collected = int(summary["steps"][STEP_NAMES.index("pytest_cuda")]["key"].split("/")[0].split()[0])
