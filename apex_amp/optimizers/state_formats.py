@@ -1,0 +1,300 @@
+"""The storage formats of the fused optimizers' state, and of "remainder" masters: the reference.
+
+A fused optimizer keeps each per-element state tensor (Adam's ``exp_avg`` and
+``exp_avg_sq``, SGD's momentum, ...) in one of four precisions
+(:class:`StatePrecision`). The kernels (csrc/state_formats.h) dequantize, update
+in fp32 and requantize in the same pass; this module is the definition they are
+tested against, and what the pure-PyTorch ops and the checkpoint conversions use.
+
+* ``fp32``: the state as today, bitwise.
+* ``bf16``: the fp32 value rounded to nearest even (``Tensor.to(torch.bfloat16)``).
+* ``fp8``: ``float8_e4m3fn`` codes, one fp32 ``absmax`` per block of ``block``
+  consecutive elements (in memory order); a value is ``code * (absmax / 448)``.
+* ``int8``: 8-bit codes into a 256-entry *dynamic map* (:func:`dynamic_map`), one
+  fp32 ``absmax`` per block; a value is ``map[code] * absmax``. States that are
+  never negative (``exp_avg_sq``, Adagrad's ``sum``) use the unsigned map (uint8
+  codes), the others the signed map (int8 codes, ``code + 127`` indexes the map).
+
+Quantizing one block of fp32 values ``v`` with ``a = max |v|`` (NaN if any is NaN):
+
+* ``a`` inf or NaN: ``absmax = a`` and every code is the zero code, so the whole
+  block reads back NaN (``0 * inf``): a poisoned state stays poisoned, on every backend alike;
+* ``a`` below the smallest normal fp32 (2**-126, zero included): ``absmax = 0`` and
+  zero codes (the block is flushed to zero: such moments are far below any ``eps``);
+* else ``x = clamp(v * (1 / a), -1, 1)`` in fp32 (``[0, 1]`` for the unsigned map);
+  int8: the code of the nearest map entry, ties to the lower entry (compared
+  with the fp32 midpoints ``(m[i] + m[i+1]) * 0.5``); fp8: ``x * 448`` rounded to
+  nearest even e4m3fn.
+
+Which format a parameter's state gets is decided from its *global* shape
+(:func:`state_layout`), so that it is the same on every FSDP2 mesh: tensors under
+``min_quantized_numel`` elements keep fp32; fp8 and int8 blocks never cross a
+row (dim 0 index), because FSDP2 shards cut only between rows: the block size
+is the largest power of two <= ``state_block_size`` dividing the row's element
+count, and a tensor without one (1-D tensors, odd row sizes) keeps fp32.
+
+Remainder masters (``master_weights="remainder"``): the fp32 master of a bf16
+weight is kept as the weight plus a 16-bit remainder (:func:`split_master`,
+:func:`join_master`); the weight is the master rounded to the nearest bf16,
+ties away from zero, and weight and remainder give back the master bit for bit.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "StatePrecision", "StateLayout", "DEFAULT_BLOCK_SIZE", "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE",
+    "DEFAULT_MIN_QUANTIZED_NUMEL", "FP8_MAX", "dynamic_map", "state_layout", "storage_dtype",
+    "quantize", "dequantize", "split_master", "join_master",
+]
+
+DEFAULT_BLOCK_SIZE = 256
+MIN_BLOCK_SIZE = 32
+MAX_BLOCK_SIZE = 4096
+DEFAULT_MIN_QUANTIZED_NUMEL = 4096
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+_SMALLEST_NORMAL = 2.0 ** -126
+# The dynamic maps' decades, written out (a pow() could differ between C++ and Python).
+_DECADES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+_UNSIGNED_COUNTS = (2, 4, 8, 16, 32, 64, 128)  # 254 entries in (1e-7, 1), plus 0 and 1
+_SIGNED_COUNTS = (1, 2, 4, 8, 16, 32, 63)  # 126 per sign, plus +-1 and 0: 255 entries
+
+
+class StatePrecision(str, enum.Enum):
+    """How a fused optimizer stores a per-element state tensor (``state_precision=``)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP8 = "fp8"
+    INT8 = "int8"
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the format keeps one fp32 absmax per block of elements."""
+        return self in (StatePrecision.FP8, StatePrecision.INT8)
+
+    @classmethod
+    def parse(cls, value: object) -> "StatePrecision":
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(p.value) for p in cls)
+            raise ValueError(f"state_precision must be one of {choices}, got {value!r}") from None
+
+
+class StateLayout(NamedTuple):
+    """A parameter's state format: its precision and, for fp8/int8, the block size (else None)."""
+
+    precision: StatePrecision
+    block: Optional[int]
+
+
+@functools.lru_cache(maxsize=None)
+def _map_values(signed: bool) -> tuple[float, ...]:
+    counts = _SIGNED_COUNTS if signed else _UNSIGNED_COUNTS
+    positive = []
+    for decade, count in zip(_DECADES, counts):
+        # The midpoints of `count` equal steps from 0.1 to 1, times the decade (float64, this order).
+        positive += [decade * (0.1 + 0.9 * ((j + 0.5) / count)) for j in range(count)]
+    positive.append(1.0)
+    if signed:
+        return tuple([-v for v in reversed(positive)] + [0.0] + positive)
+    return tuple([0.0] + positive)
+
+
+def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> Tensor:
+    """The int8 format's map: 255 (signed) or 256 (unsigned) fp32 values in [-1, 1] / [0, 1], ascending.
+
+    Example::
+
+        >>> dynamic_map(signed=False)[[0, -1]]
+        tensor([0., 1.])
+    """
+    return torch.tensor(_map_values(signed), dtype=torch.float64).to(torch.float32).to(device)
+
+
+def _midpoints(table: Tensor) -> Tensor:
+    return (table[:-1] + table[1:]) * 0.5
+
+
+def storage_dtype(precision: StatePrecision, nonnegative: bool) -> torch.dtype:
+    """The dtype of a state's data in ``precision`` (``nonnegative``: the state is never negative)."""
+    return {
+        StatePrecision.FP32: torch.float32,
+        StatePrecision.BF16: torch.bfloat16,
+        StatePrecision.FP8: torch.float8_e4m3fn,
+        StatePrecision.INT8: torch.uint8 if nonnegative else torch.int8,
+    }[precision]
+
+
+def state_layout(global_shape: Sequence[int], precision: StatePrecision | str, block_size: int = DEFAULT_BLOCK_SIZE,
+                 min_quantized_numel: int = DEFAULT_MIN_QUANTIZED_NUMEL) -> StateLayout:
+    """The state format of a parameter of ``global_shape`` (a DTensor's global shape, not its shard's).
+
+    Args:
+        global_shape: the whole parameter's shape.
+        precision: the requested precision.
+        block_size: the largest block (a power of two in [32, 4096]).
+        min_quantized_numel: smaller tensors keep fp32 state.
+
+    Example::
+
+        >>> state_layout((1024, 768), "int8")
+        StateLayout(precision=<StatePrecision.INT8: 'int8'>, block=256)
+        >>> state_layout((8192,), "int8").precision.value   # a 1-D tensor's shards may cut any block
+        'fp32'
+    """
+    precision = StatePrecision.parse(precision)
+    check_block_size(block_size)
+    if int(min_quantized_numel) < 0:
+        raise ValueError(f"min_quantized_numel must be >= 0, got {min_quantized_numel}")
+    numel = math.prod(global_shape)
+    if precision is StatePrecision.FP32 or numel < min_quantized_numel or numel == 0:
+        return StateLayout(StatePrecision.FP32, None)
+    if not precision.blocked:
+        return StateLayout(precision, None)
+    row = numel // global_shape[0] if len(global_shape) > 1 else 1
+    block = block_size
+    while block >= MIN_BLOCK_SIZE and row % block:
+        block //= 2
+    if block < MIN_BLOCK_SIZE:
+        return StateLayout(StatePrecision.FP32, None)
+    return StateLayout(precision, block)
+
+
+def check_block_size(block_size: int) -> None:
+    if (not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < MIN_BLOCK_SIZE
+            or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1)):
+        raise ValueError(f"state_block_size must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
+                         f"got {block_size!r}")
+
+
+def _block_absmax(blocks: Tensor) -> Tensor:
+    absmax = blocks.abs().amax(dim=1)
+    # amax ignores no NaN on CPU, but say it: a block holding a NaN has a NaN absmax.
+    return torch.where(blocks.isnan().any(dim=1), torch.nan, absmax)
+
+
+def quantize(values: Tensor, dtype: torch.dtype, block: Optional[int] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """fp32 ``values`` in the format whose data has ``dtype``: (codes, absmax per block or None).
+
+    ``dtype`` float32/bfloat16 need no block; float8_e4m3fn, int8 and uint8 need ``block``
+    dividing ``values.numel()``. Blocks run over the elements in memory order (``values``
+    must be dense); the codes have ``values``' shape and strides.
+    """
+    if dtype in (torch.float32, torch.bfloat16):
+        return values.to(dtype), None
+    if block is None or values.numel() % block:
+        raise ValueError(f"quantizing to {dtype} needs a block size dividing numel {values.numel()}, got {block}")
+    flat = _memory_order(values).float().reshape(-1, block)
+    absmax = _block_absmax(flat)
+    usable = absmax >= _SMALLEST_NORMAL  # False for NaN, inf below
+    finite = torch.isfinite(absmax)
+    inv = torch.where(usable & finite, 1.0 / torch.where(usable, absmax, 1.0), 0.0)
+    low = 0.0 if dtype == torch.uint8 else -1.0
+    x = torch.clamp(flat * inv[:, None], low, 1.0)
+    if dtype == torch.float8_e4m3fn:
+        codes = (x * FP8_MAX).to(dtype)
+    elif dtype in (torch.int8, torch.uint8):
+        signed = dtype == torch.int8
+        table = dynamic_map(signed, values.device)
+        index = torch.searchsorted(_midpoints(table), x.contiguous())
+        zero = 127 if signed else 0
+        index = torch.where((usable & finite)[:, None], index, zero)
+        codes = (index - 127).to(torch.int8) if signed else index.to(torch.uint8)
+    else:
+        raise ValueError(f"no state format stores {dtype}; use float32, bfloat16, float8_e4m3fn, int8 or uint8")
+    stored_absmax = torch.where(usable | ~finite, absmax, 0.0)
+    # (rows, blocks per row): an FSDP2 shard of the param is a shard of this along dim 0.
+    rows_hold_blocks = values.dim() > 1 and (values.numel() // max(values.shape[0], 1)) % block == 0
+    absmax_shape = (values.shape[0], -1) if rows_hold_blocks else (-1,)
+    return _like(codes.reshape(-1), values), stored_absmax.reshape(absmax_shape)
+
+
+def dequantize(codes: Tensor, absmax: Optional[Tensor] = None) -> Tensor:
+    """The fp32 values of a state in any format (the inverse of :func:`quantize`, up to its rounding)."""
+    if codes.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return codes.float()
+    if absmax is None or absmax.numel() == 0 or codes.numel() % absmax.numel():
+        raise ValueError(f"a {codes.dtype} state needs one absmax per block, got "
+                         f"{None if absmax is None else absmax.numel()} for {codes.numel()} elements")
+    flat_absmax = absmax.reshape(-1).float()
+    block = codes.numel() // flat_absmax.numel()
+    flat = _memory_order(codes).reshape(-1, block)
+    if codes.dtype == torch.float8_e4m3fn:
+        values = flat.float() * (flat_absmax / FP8_MAX)[:, None]
+    elif codes.dtype in (torch.int8, torch.uint8):
+        signed = codes.dtype == torch.int8
+        index = flat.long() + 127 if signed else flat.long()
+        values = dynamic_map(signed, codes.device)[index] * flat_absmax[:, None]
+    else:
+        raise ValueError(f"no state format stores {codes.dtype}")
+    return _like(values.reshape(-1), codes)
+
+
+def _memory_order(tensor: Tensor) -> Tensor:
+    # The elements as the kernels walk them: a dense tensor's storage order.
+    if tensor.is_contiguous():
+        return tensor.reshape(-1)
+    order = sorted(range(tensor.dim()), key=lambda d: tensor.stride(d), reverse=True)
+    return tensor.permute(order).reshape(-1)
+
+
+def _like(flat: Tensor, like: Tensor) -> Tensor:
+    # `flat` (memory order) as a tensor with `like`'s shape and strides.
+    shaped = flat.reshape(like.shape) if like.is_contiguous() else _from_memory_order(flat, like)
+    return torch.empty_like(like, dtype=flat.dtype).copy_(shaped)
+
+
+def _from_memory_order(flat: Tensor, like: Tensor) -> Tensor:
+    order = sorted(range(like.dim()), key=lambda d: like.stride(d), reverse=True)
+    permuted = flat.reshape([like.shape[d] for d in order])
+    inverse = [order.index(d) for d in range(like.dim())]
+    return permuted.permute(inverse)
+
+
+def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
+    """An fp32 master as (bf16 weight, int16 remainder): weight + remainder is the master, bit for bit.
+
+    The weight is the master rounded to the nearest bf16, ties away from zero (round-to-nearest-even,
+    as ``Tensor.to(torch.bfloat16)`` rounds, cannot be undone from 16 more bits at a tie).
+
+    Example::
+
+        >>> master = torch.randn(5)
+        >>> weight, remainder = split_master(master)
+        >>> torch.equal(join_master(weight, remainder), master)
+        True
+    """
+    if master.dtype != torch.float32:
+        raise TypeError(f"split_master takes an fp32 master, got {master.dtype}")
+    bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    high = ((bits + 0x8000) & 0xFFFFFFFF) >> 16
+    low = bits & 0xFFFF
+    weight = _int16_of(high).view(torch.bfloat16)
+    return weight, _int16_of(low)
+
+
+def join_master(weight: Tensor, remainder: Tensor) -> Tensor:
+    """The fp32 master of a bf16 ``weight`` and its int16 ``remainder`` (see :func:`split_master`)."""
+    if weight.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
+        raise TypeError(f"join_master takes a bf16 weight and an int16 remainder, got {weight.dtype} and "
+                        f"{remainder.dtype}")
+    high = weight.view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((high << 16) + remainder.to(torch.int64)) & 0xFFFFFFFF
+    return _int32_of(bits).view(torch.float32)
+
+
+def _int16_of(unsigned: Tensor) -> Tensor:
+    return torch.where(unsigned >= 0x8000, unsigned - 0x10000, unsigned).to(torch.int16)
+
+
+def _int32_of(unsigned: Tensor) -> Tensor:
+    return torch.where(unsigned >= 0x80000000, unsigned - 0x100000000, unsigned).to(torch.int32)
