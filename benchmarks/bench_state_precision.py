@@ -1,0 +1,403 @@
+"""Low-precision optimizer state (issue 27): step time, bytes per parameter and accuracy, against the peers.
+
+Sections (``--section``, default both):
+  step      one optimizer step on a transformer-like list of tensors of 1M/16M/64M elements (fp32 params
+            and grads, as an O2 step sees its masters; every state in fp32 unless the row says otherwise):
+            apex_amp FusedAdam with each ``state_precision`` (and ``master_weights="remainder"`` on bf16
+            params), torch's AdamW(fused=True), bitsandbytes' AdamW8bit (its CPU backend) and torchao's
+            AdamW8bit (compiled by torch.compile: its first step is reported apart). Medians of interleaved
+            rounds; bytes of state per parameter; each apex row's bytes moved per element against the
+            machine's streaming bandwidth measured in the same run.
+  accuracy  the examples' digits MLP and character transformer trained at O2 bf16 (30 / 6 epochs as the
+            examples do, fewer with --quick) with FusedAdam at every state precision and with
+            bitsandbytes' AdamW8bit: final held-out loss and test accuracy, relative to fp32 state.
+
+Peers come from the ``bench`` extra (``pip install -e .[bench]``: bitsandbytes, torchao); a peer that is
+missing is reported as such, not skipped silently. apex_amp's low-precision rows appear once the fused
+optimizers take ``state_precision`` (the script asks them, and says so when they do not).
+
+Run (from the repository root, idle machine, ~5-10 min):
+    python benchmarks/bench_state_precision.py
+    python benchmarks/bench_state_precision.py --section step --sizes 1M,16M
+    python benchmarks/bench_state_precision.py --section accuracy --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples"))
+sys.path.insert(0, str(HERE.parent))
+
+from _kernel_workloads import transformer_like_shapes  # noqa: E402
+from _timing import Bandwidth, finish_run, format_table, machine_info, print_targets, time_interleaved  # noqa: E402
+
+from apex_amp import amp  # noqa: E402
+from apex_amp.optimizers import FusedAdam  # noqa: E402
+
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+PRECISIONS = ("fp32", "bf16", "fp8", "int8")
+# Bytes an Adam step moves per element besides its state: fp32 param read + write, fp32 grad read.
+PARAM_AND_GRAD_BYTES = 12.0
+STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "fp8": 2.0, "int8": 2.0}  # two moments, one byte or more each
+
+
+def has_state_precision() -> bool:
+    return "state_precision" in inspect.signature(FusedAdam.__init__).parameters
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    factor = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
+    return int(float(text.rstrip("KM")) * factor)
+
+
+# ----------------------------------------------------------------------------------------------- peers
+
+
+def load_bitsandbytes() -> tuple[Optional[object], str]:
+    try:
+        import bitsandbytes
+    except Exception as error:  # noqa: BLE001 - any import failure means: not available here
+        return None, f"bitsandbytes not importable ({type(error).__name__}: {error}); pip install -e .[bench]"
+    return bitsandbytes, f"bitsandbytes {bitsandbytes.__version__}"
+
+
+def load_torchao_adamw8bit() -> tuple[Optional[type], str]:
+    try:
+        import torchao
+        from torchao.optim import AdamW8bit
+    except Exception as error:  # noqa: BLE001
+        return None, f"torchao not importable ({type(error).__name__}: {error}); pip install -e .[bench]"
+    return AdamW8bit, f"torchao {torchao.__version__}"
+
+
+# ------------------------------------------------------------------------------------------------ step
+
+
+def make_params(shapes, dtype, seed: int) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(dtype))
+        p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+def plain_tensors(value: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``value``'s data (a tensor subclass such as torchao's 8-bit state holds several)."""
+    if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+        names, _ = value.__tensor_flatten__()
+        return [t for name in names for t in plain_tensors(getattr(value, name))]
+    return [value]
+
+
+def state_bytes_per_param(optimizer: torch.optim.Optimizer, params) -> float:
+    """Bytes of per-element optimizer state (each storage once; step counters excluded) per parameter."""
+    storages = {}
+    for p in params:
+        for value in optimizer.state.get(p, {}).values():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:
+                for tensor in plain_tensors(value):
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) / sum(p.numel() for p in params)
+
+
+def step_configurations(shapes, bnb, ao_adamw8bit) -> dict[str, tuple[Optional[Callable], str]]:
+    """name -> (factory building (optimizer, params), note)."""
+    configs: dict[str, tuple[Optional[Callable], str]] = {}
+    apex_kwargs = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, adam_w_mode=True)
+    low_precision = has_state_precision()
+    for precision in PRECISIONS:
+        name = f"apex FusedAdam {precision} state"
+        if precision != "fp32" and not low_precision:
+            configs[name] = (None, "FusedAdam has no state_precision argument in this tree")
+            continue
+
+        def build(precision=precision):
+            params = make_params(shapes, torch.float32, 0)
+            extra = {"state_precision": precision} if low_precision else {}
+            return FusedAdam(params, **apex_kwargs, **extra), params
+
+        configs[name] = (build, "")
+    remainder_name = "apex FusedAdam int8 state, remainder masters (bf16 params)"
+    if low_precision:
+        def build_remainder():
+            params = make_params(shapes, torch.bfloat16, 0)
+            return FusedAdam(params, **apex_kwargs, state_precision="int8", master_weights="remainder"), params
+
+        configs[remainder_name] = (build_remainder, "")
+    else:
+        configs[remainder_name] = (None, "FusedAdam has no remainder masters in this tree")
+
+    def build_torch():
+        params = make_params(shapes, torch.float32, 0)
+        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True), params
+
+    configs["torch AdamW(fused=True)"] = (build_torch, "")
+    if bnb is not None:
+        def build_bnb():
+            params = make_params(shapes, torch.float32, 0)
+            return bnb.optim.AdamW8bit(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY), params
+
+        configs["bitsandbytes AdamW8bit"] = (build_bnb, "")
+    else:
+        configs["bitsandbytes AdamW8bit"] = (None, "not installed")
+    if ao_adamw8bit is not None:
+        def build_ao():
+            params = make_params(shapes, torch.float32, 0)
+            return ao_adamw8bit(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY), params
+
+        configs["torchao AdamW8bit (compiled)"] = (build_ao, "")
+    else:
+        configs["torchao AdamW8bit (compiled)"] = (None, "not installed")
+    return configs
+
+
+def run_step_section(sizes: list[int], reps: int, bnb, ao_adamw8bit, bandwidth: Bandwidth) -> list[dict]:
+    rows = []
+    for size in sizes:
+        shapes, description = transformer_like_shapes(size)
+        elements = sum(math.prod(s) for s in shapes)
+        print(f"\n{size / 2**20:g}M: {description}")
+        configs = step_configurations(shapes, bnb, ao_adamw8bit)
+        built, first_step, notes = {}, {}, {}
+        for name, (factory, note) in configs.items():
+            if factory is None:
+                notes[name] = note
+                continue
+            try:
+                optimizer, params = factory()
+                started = time.perf_counter()
+                optimizer.step()  # creates the state; torchao compiles here
+                first_step[name] = time.perf_counter() - started
+                built[name] = (optimizer, params)
+            except Exception as error:  # noqa: BLE001 - a peer that fails here is reported, not fatal
+                notes[name] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        timings = time_interleaved({name: optimizer.step for name, (optimizer, _) in built.items()},
+                                   warmup=2, reps=reps, rounds=3)
+        baseline = timings.get("apex FusedAdam fp32 state")
+        for name in configs:
+            if name not in built:
+                rows.append({"size": size, "config": name, "note": notes[name]})
+                continue
+            optimizer, params = built[name]
+            timing = timings[name]
+            row = {"size": size, "elements": elements, "config": name, "ms": timing.median * 1e3,
+                   "iqr_ms": timing.iqr * 1e3,
+                   "first_step_s": first_step[name], "state_bytes_per_param": state_bytes_per_param(optimizer, params),
+                   "vs_fp32_state": timing.median / baseline.median if baseline else None}
+            precision = next((p for p in PRECISIONS if name.startswith(f"apex FusedAdam {p}")), None)
+            if precision is not None:
+                moved = PARAM_AND_GRAD_BYTES + STATE_BYTES[precision]
+                if "remainder" in name:
+                    moved = 2 * 2 + 2 * 2 + 2 + STATE_BYTES[precision]  # bf16 param + remainder r/w, bf16 grad
+                row["bound_multiple"] = bandwidth.bound_multiple(timing.median, elements, moved)
+            rows.append(row)
+        del built
+        gc.collect()
+    return rows
+
+
+def render_step_rows(rows: list[dict]) -> str:
+    table = []
+    for row in rows:
+        if "ms" not in row:
+            table.append([f"{row['size'] / 2**20:g}M", row["config"], "", "", "", "", "", row["note"]])
+            continue
+        table.append([f"{row['size'] / 2**20:g}M", row["config"], f"{row['ms']:.2f}",
+                      "" if row["vs_fp32_state"] is None else f"{row['vs_fp32_state']:.2f}x",
+                      f"{row['state_bytes_per_param']:.2f}", f"{row['first_step_s'] * 1e3:.0f}",
+                      "" if "bound_multiple" not in row else f"{row['bound_multiple']:.2f}", ""])
+    return format_table(["size", "configuration", "step ms", "/ fp32 state", "state B/param", "first step ms",
+                         "x bound", "note"], table)
+
+
+# -------------------------------------------------------------------------------------------- accuracy
+
+
+def accuracy_optimizers(bnb) -> dict[str, Optional[Callable]]:
+    factories: dict[str, Optional[Callable]] = {}
+    for precision in PRECISIONS:
+        if precision != "fp32" and not has_state_precision():
+            factories[f"FusedAdam {precision} state"] = None
+            continue
+        extra = {"state_precision": precision} if has_state_precision() else {}
+        factories[f"FusedAdam {precision} state"] = (
+            lambda params, lr, wd, extra=extra: FusedAdam(params, lr=lr, weight_decay=wd, **extra))
+    factories["bitsandbytes AdamW8bit"] = None if bnb is None else (
+        lambda params, lr, wd: bnb.optim.AdamW8bit(params, lr=lr, weight_decay=wd))
+    return factories
+
+
+def train_digits(make_optimizer: Callable, epochs: int) -> dict:
+    import train_digits as digits
+
+    device = torch.device("cpu")
+    (x_train, y_train), (x_test, y_test) = digits.load_data(0, device)
+    torch.manual_seed(0)
+    model = digits.make_model(digits.HIDDEN_DEFAULT)
+    optimizer = make_optimizer(model.parameters(), 2e-3, 1e-4)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    for _ in range(epochs):
+        model.train()
+        for batch in torch.randperm(len(x_train)).split(64):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x_train[batch]), y_train[batch])
+            with amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        logits = model(x_test).float()
+        return {"test_loss": torch.nn.functional.cross_entropy(logits, y_test).item(),
+                "test_accuracy": (logits.argmax(1) == y_test).float().mean().item()}
+
+
+def train_transformer(make_optimizer: Callable, epochs: int, steps_per_epoch: int) -> dict:
+    import transformer as lm
+
+    ids = lm.encode(lm.load_text())
+    split = int(0.9 * len(ids))
+    train_ids, val_ids = ids[:split], ids[split:]
+    torch.manual_seed(0)
+    model = lm.make_model()
+    optimizer = make_optimizer(model.parameters(), 3e-3, 0.01)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    windows = torch.Generator().manual_seed(0)
+    context, batch = 64, 32
+    for _ in range(epochs * steps_per_epoch):
+        starts = torch.randint(0, len(train_ids) - context - 1, (batch,), generator=windows)
+        loss = lm.lm_loss(model, *lm.batch_of_windows(train_ids, starts, context))
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"held_out_loss": lm.held_out_loss(model, val_ids, context, 256)}
+
+
+def run_accuracy_section(bnb, quick: bool) -> list[dict]:
+    rows = []
+    digits_epochs, lm_epochs, lm_steps = (5, 2, 20) if quick else (30, 6, 30)
+    for name, factory in accuracy_optimizers(bnb).items():
+        if factory is None:
+            rows.append({"config": name, "note": "not available in this tree / not installed"})
+            continue
+        started = time.perf_counter()
+        row = {"config": name, **train_digits(factory, digits_epochs),
+               **train_transformer(factory, lm_epochs, lm_steps), "seconds": time.perf_counter() - started}
+        print(f"  {name}: {row}")
+        rows.append(row)
+    return rows
+
+
+def render_accuracy_rows(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["config"] == "FusedAdam fp32 state" and "note" not in r), None)
+    table = []
+    for row in rows:
+        if "note" in row:
+            table.append([row["config"], "", "", "", "", row["note"]])
+            continue
+        relative = "" if base is None else f"{row['held_out_loss'] / base['held_out_loss'] - 1:+.2%}"
+        points = "" if base is None else f"{(row['test_accuracy'] - base['test_accuracy']) * 100:+.2f}"
+        table.append([row["config"], f"{row['held_out_loss']:.4f}", relative, f"{row['test_accuracy']:.4f}",
+                      points, ""])
+    return format_table(["configuration", "LM held-out loss", "vs fp32 state", "digits accuracy", "points",
+                         "note"], table)
+
+
+def accuracy_targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
+    by_name = {r["config"]: r for r in rows if "note" not in r}
+    base = by_name.get("FusedAdam fp32 state")
+    if base is None:
+        return []
+    verdicts = []
+    for precision in PRECISIONS[1:]:
+        row = by_name.get(f"FusedAdam {precision} state")
+        if row is None:
+            continue
+        loss_gap = abs(row["held_out_loss"] / base["held_out_loss"] - 1)
+        points = abs(row["test_accuracy"] - base["test_accuracy"]) * 100
+        verdicts.append((f"{precision} state: LM loss within 1% of fp32 state", f"{loss_gap:.2%}", loss_gap <= 0.01))
+        verdicts.append((f"{precision} state: digits within 0.5 points", f"{points:.2f}", points <= 0.5))
+    return verdicts
+
+
+def step_targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
+    verdicts = []
+    for row in rows:
+        if "ms" not in row or not row["config"].startswith("apex FusedAdam") or row["config"].endswith("fp32 state"):
+            continue
+        size = f"{row['size'] / 2**20:g}M"
+        limit = 1.2 if "int8" in row["config"] and "remainder" not in row["config"] else 1.0
+        if row["size"] >= 16 * 2**20 or limit > 1.0:
+            verdicts.append((f"{size} {row['config']} <= {limit}x the fp32-state step",
+                             f"{row['vs_fp32_state']:.2f}x", row["vs_fp32_state"] <= limit))
+        for peer in ("bitsandbytes AdamW8bit", "torchao AdamW8bit (compiled)"):
+            other = next((r for r in rows if r["size"] == row["size"] and r["config"] == peer and "ms" in r), None)
+            if other is not None:
+                verdicts.append((f"{size} {row['config']} faster than {peer}", f"{row['ms'] / other['ms']:.2f}x",
+                                 row["ms"] < other["ms"]))
+    return verdicts
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", choices=["step", "accuracy", "all"], default="all")
+    parser.add_argument("--sizes", default="1M,16M,64M", help="elements per step (default: %(default)s)")
+    parser.add_argument("--reps", type=int, default=15, help="timed steps per configuration (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="fewer training epochs in the accuracy section")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    info = machine_info()
+    print("low-precision optimizer state")
+    print(f"machine: {info['cpu_model']}, {info['logical_cpus']} logical CPUs; torch {info['torch_version']}, "
+          f"{info['torch_threads']} threads; load average at start {info['load_average_1_5_15min']}")
+    bnb, bnb_note = load_bitsandbytes()
+    ao_adamw8bit, ao_note = load_torchao_adamw8bit()
+    print(f"peers: {bnb_note}; {ao_note}; apex_amp state_precision: {'yes' if has_state_precision() else 'no'}")
+    payload = {"machine": info}
+    if args.section in ("step", "all"):
+        bandwidth = Bandwidth.measure(buffer_mb=256)
+        print("streaming bandwidth:\n" + bandwidth.describe())
+        rows = run_step_section([parse_size(s) for s in args.sizes.split(",")], args.reps, bnb, ao_adamw8bit,
+                                bandwidth)
+        print("\n" + render_step_rows(rows))
+        print("first step ms: the step that creates the state (torchao compiles its step there)")
+        print_targets("issue 27, step", step_targets(rows))
+        payload.update(step=rows, bandwidth=bandwidth.to_json())
+    if args.section in ("accuracy", "all"):
+        print("\naccuracy (O2 bf16, digits MLP and character transformer):")
+        rows = run_accuracy_section(bnb, args.quick)
+        print("\n" + render_accuracy_rows(rows))
+        print_targets("issue 27, accuracy", accuracy_targets(rows))
+        payload["accuracy"] = rows
+    finish_run(started, args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
