@@ -323,7 +323,7 @@ def test_a_clean_pass_then_an_overflow_skips_and_the_next_clean_step_is_taken(op
         optimizer.step()
         assert amp.step_was_skipped(optimizer) is not taken
         assert any(not torch.equal(a, b) for a, b in zip(before, masters())) is taken
-    assert not _lifecycle(optimizer)._clean_flag.any()
+    assert not _lifecycle(optimizer).skip.clean.any()
 
 
 # ---- the resolution of scale_loss's optimizer argument -------------------------------------------------

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from . import casting, sessions
-from .gradients import GradLifecycle, PassRecord, PassScale
+from .gradients import GradLifecycle
+from .pass_records import PassRecord, PassScale
 from .session import AmpSession
 
 __all__ = ["scale_loss"]

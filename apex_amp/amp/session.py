@@ -19,10 +19,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import distributed
 from .fsdp2 import ShardedModels
-from .gradients import GradLifecycle, PassRecord
+from .gradients import GradLifecycle
 from .loss_scaler import LossScaler
 from .master_weights import LoadedValues, MasterLink
 from .opt_levels import AmpProperties
+from .pass_records import PassRecord
 from .step_hooks import StepHooks
 
 __all__ = ["AmpSession"]
@@ -128,7 +129,7 @@ class AmpSession:
         # delay_overflow_check=True: the client updates the scale once per step (update_scale()).
         overflowed = None if record.client_checks else self.scalers[record.loss_id].update(record.found_inf)
         for lifecycle in record.lifecycles:
-            lifecycle.note_found_inf(record.found_inf, overflowed, guards_only=record.client_checks)
+            lifecycle.skip.note(record.found_inf, overflowed, guards_only=record.client_checks)
         if self.overflow_recorder is not None:
             self.overflow_recorder.record(record.found_inf, record.loss_id, record.inv_scale, record.lifecycles)
 
