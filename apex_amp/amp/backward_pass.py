@@ -77,7 +77,7 @@ def scale_loss(
             step, which updates the scale and says whether to skip. A step is
             still skipped while gradients this pass found non-finite are there;
             the client may instead skip by not stepping and setting the
-            gradients to None (masters and model), which ends them.
+            gradients to None (masters and model) or zero, which ends them.
 
     .. note::
         Nothing in this context manager syncs with the host. With a

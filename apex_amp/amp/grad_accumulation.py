@@ -33,7 +33,7 @@ from .master_weights import OptimizerParams
 from .pass_records import PassScale
 
 __all__ = [
-    "new_grads", "holds_grads", "pending_grads", "absorb", "unscale_direct", "follow_clears", "reached", "has_old_grads",
+    "new_grads", "step_grads", "holds_grads", "pending_grads", "absorb", "unscale_direct", "follow_clears", "reached", "has_old_grads",
     "stash_for_pass", "restore_stash", "hold_new_grads", "return_held", "hide_grads", "drop_consumed",
 ]
 
@@ -42,6 +42,13 @@ def new_grads(params: OptimizerParams) -> list[Tensor]:
     """The gradients a backward pass wrote: the direct params' and the half model params' ``.grad``."""
     grads = [p.grad for p in params.direct if p.grad is not None]
     grads += [link.model_param.grad for link in params.links if link.model_param.grad is not None]
+    return grads
+
+
+def step_grads(params: OptimizerParams) -> list[Tensor]:
+    """The gradients a step reads when none is held: the direct params' and the masters' ``.grad``."""
+    grads = [p.grad for p in params.direct if p.grad is not None]
+    grads += [link.master.grad for link in params.links if link.master.grad is not None]
     return grads
 
 

@@ -23,7 +23,7 @@ are written for users in ``docs/o2_gradients.md``; in short:
   where ``optimizer.zero_grad()`` cannot reach follows its clears
   (``grad_clears.py``). A ``delay_overflow_check=True`` pass's gradients are
   unscaled onto the masters (never held) and its flag ends when the client
-  has set them all to None instead of stepping (``_end_cleared_guard``).
+  has set them all to None or zero instead of stepping (``_review_guard``).
 
 States (``GradState``) and transitions (``_TRANSITIONS``; ``_move`` is the
 only writer of ``state``)::
@@ -224,7 +224,7 @@ class GradLifecycle:
         self._check_can_open_pass()
         self.sync_params()
         self._reconcile_masters_once()
-        self._end_cleared_guard()
+        self._review_guard(at_step=False)
         if self.state is GradState.DELAYED:
             self._follow_clears()
         if self.state is GradState.DELAYED and self.kept_scale.key == key:
@@ -283,19 +283,23 @@ class GradLifecycle:
             self.kept_scale = scale
             self._move(GradState.SCALED)
             return scale.checked
-        acc.absorb(self.params, stash, scale, found_inf, self.skip.found_inf)
+        acc.absorb(self.params, stash, scale, found_inf, self.skip.pending())
         self.kept_scale = None
         self._move(GradState.UNSCALED)
         return scale.checked
 
-    def _end_cleared_guard(self) -> None:
+    def _review_guard(self, at_step: bool) -> None:
         # A client that checks the overflow itself (delay_overflow_check=True) skips an overflowing
-        # step by not stepping and dropping the gradients (param.grad = None, as NVIDIA's BERT does):
-        # with none of them left, their flag guards nothing and must not skip the next step. (A pass
-        # whose skip is amp's keeps it past a clear: apex had patched the step to skip by then.)
-        if (self.skip.guards_only_pending() and self.state in _IN_PLACE_STATES
-                and not acc.holds_grads(self.params, self.held)):
+        # step by not stepping and dropping the gradients (param.grad = None, as NVIDIA's BERT does)
+        # or clearing them to zero: with none of them left, their flag guards nothing and must not
+        # skip the next step; at the step, the guard is what the step would apply (one read of the
+        # gradients). (A pass whose skip is amp's keeps it past a clear: apex had patched the step.)
+        if self.skip.guard is None or self.state not in _IN_PLACE_STATES:
+            return
+        if not acc.holds_grads(self.params, self.held):
             self.skip.end_guard()
+        elif at_step:
+            self.skip.recheck_guard(acc.step_grads(self.params))
 
     def delayed_key(self) -> Optional[tuple[int, int]]:
         """(loss_id, scale epoch) of a DELAYED accumulation (None in the other states)."""
@@ -323,7 +327,7 @@ class GradLifecycle:
             acc.return_held(self.params, self.held)
             self.held = {}
             acc.absorb(self.params, [None] * len(self.params.direct), kept, self._scratch_flag(),  # checked at end_pass
-                       self.skip.found_inf)
+                       self.skip.pending())
             self.kept_scale = None
             self._move(GradState.UNSCALED)
             return None
@@ -331,7 +335,7 @@ class GradLifecycle:
             self._follow_clears()
             if found_inf is None:
                 found_inf = self._scratch_flag()
-            acc.absorb(self.params, [None] * len(self.params.direct), kept, found_inf, self.skip.found_inf)
+            acc.absorb(self.params, [None] * len(self.params.direct), kept, found_inf, self.skip.pending())
             self.kept_scale = None
             self._move(GradState.UNSCALED)
             if kept.checked:
@@ -378,10 +382,10 @@ class GradLifecycle:
         self._reconcile_masters_once()
         if self.state is GradState.SPENT:
             self.settle()  # leftover scaled direct gradients must not reach the step scaled
-        self._end_cleared_guard()
+        self._review_guard(at_step=True)
         if self.state is GradState.EMPTY:  # no pass since the last step: it may have been skipped
             self.skip.carry_leftovers([p.grad for p in self.params.direct if p.grad is not None])
-        found_inf = self.skip.found_inf
+        found_inf = self.skip.pending()
         hidden: list[tuple[Tensor, Tensor]] = []
         step_kwargs = None
         if self.fused:

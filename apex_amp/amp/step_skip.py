@@ -11,9 +11,12 @@ host (``skips_on_host``), a fused one decides on the device.
 
 A pass with ``delay_overflow_check=True`` leaves its skip and its scale
 update to the client (apex's ``update_scale()``, once per step): its flag
-only keeps a step from applying its gradients (``guards_only``), and ends
-when the client has set them all to None instead of stepping (the gradient
-lifecycle calls ``end_guard`` then).
+(``guard``, kept apart from amp's own) only keeps a step from applying its
+gradients: it ends when the client has set them all to None instead of
+stepping (the gradient lifecycle calls ``end_guard`` then), and the step
+checks again what it would apply (``recheck_guard``: a client may clear to
+zero instead). amp's own flag stands until the step, as apex's patched step
+did.
 
 What a step that may have been skipped left on direct parameters (their
 ``.grad`` stays after a step, as in PyTorch) is checked again by the first
@@ -45,9 +48,9 @@ class StepSkip:
         self._device = device
         # OR of the checked passes' flags since the last step, and of what carry_leftovers found.
         self.found_inf: Optional[Tensor] = None
-        # Every flag in found_inf came from passes whose skip is the client's (delay_overflow_check):
-        # it guards their gradients only, and ends when they are all cleared (end_guard).
-        self.guards_only = False
+        # OR of the flags of passes whose skip is the client's (delay_overflow_check) since the last
+        # step: it guards their gradients only, and ends when they are all cleared (end_guard).
+        self.guard: Optional[Tensor] = None
         self.last_found_inf: Optional[Tensor] = None  # the flag the last step had
         # A step that may have been skipped left gradients on direct params: the next event checks them.
         self.leftovers_suspect = False
@@ -63,25 +66,42 @@ class StepSkip:
         ``update_scale()`` flow): the flag keeps a step from applying its gradients, and ends when
         the client clears them all instead of stepping (``end_guard``).
         """
-        first = self.found_inf is None
-        self.guards_only = guards_only and (first or self.guards_only)
-        if overflowed is False:
-            if self.found_inf is None:
-                self.found_inf = self.clean
-            return
-        if self.found_inf is None or self.found_inf is self.clean:
-            self.found_inf = found_inf.clone()  # private: the scaler reuses its flag buffer
+        if guards_only:
+            self.guard = self._or(self.guard, found_inf, overflowed)
         else:
-            torch.maximum(self.found_inf, found_inf.to(self.found_inf.device), out=self.found_inf)
+            self.found_inf = self._or(self.found_inf, found_inf, overflowed)
 
-    def guards_only_pending(self) -> bool:
-        """Whether the pending flag only guards gradients whose skip is the client's."""
-        return self.guards_only and self.found_inf is not None
+    def _or(self, flag: Optional[Tensor], found_inf: Tensor, overflowed: Optional[bool]) -> Tensor:
+        if overflowed is False:
+            return self.clean if flag is None else flag
+        if flag is None or flag is self.clean:
+            return found_inf.clone()  # private: the scaler reuses its flag buffer
+        return torch.maximum(flag, found_inf.to(flag.device), out=flag)
+
+    def pending(self) -> Optional[Tensor]:
+        """The next step's flag: amp's and the client's guard together (None: no checked pass since the last step)."""
+        if self.guard is None:
+            return self.found_inf
+        if self.found_inf is None or self.found_inf is self.clean:
+            return self.guard
+        if self.guard is self.clean:
+            return self.found_inf
+        return torch.maximum(self.found_inf, self.guard.to(self.found_inf.device))
 
     def end_guard(self) -> None:
-        """The client dropped every gradient its own check guarded: the flag must not skip the next step."""
-        self.found_inf = None
-        self.guards_only = False
+        """The client dropped every gradient its own check guarded: its flag must not skip the next step."""
+        self.guard = None
+
+    def recheck_guard(self, grads: list[Tensor]) -> None:
+        """The client's guard becomes the check of ``grads``, what the step would apply now (no host sync).
+
+        A client that skips by clearing its gradients to zero, not to None, leaves nothing the guard
+        was for: the step applies what the passes since the clear produced, as under apex.
+        """
+        if self.guard is None or self.guard is self.clean:
+            return  # nothing to guard, or passes the host knows were clean
+        self.guard = torch.zeros(1, device=self._device)
+        mt.check_finite(grads, self.guard)
 
     def carry_leftovers(self, grads: list[Tensor]) -> None:
         """The first event after a step that may have been skipped: check the direct gradients it left.
@@ -90,17 +110,16 @@ class StepSkip:
         replacement ends it). Their pass was accounted already: the flag is the step's only, no
         pass reports it a second time.
         """
-        if not self.leftovers_suspect or self.found_inf is not None:
+        if not self.leftovers_suspect or self.found_inf is not None or self.guard is not None:
             return
         self.leftovers_suspect = False
         if grads and self.last_found_inf is not self.clean:  # (the host's clean flag: taken)
-            self.guards_only = False
             self.found_inf = torch.zeros(1, device=self._device)
             mt.check_finite(grads, self.found_inf)
 
     def skips_on_host(self) -> bool:
         """Whether a non-fused step must be skipped (its one host sync, unless the passes were clean on the host)."""
-        found_inf = self.found_inf
+        found_inf = self.pending()
         return found_inf is not None and found_inf is not self.clean and bool(found_inf.item())
 
     def step_done(self, may_have_skipped: bool) -> None:
@@ -110,9 +129,8 @@ class StepSkip:
         step's hooks, which torch.compile traces: a tensor compared there would be one more guard)
         or a step skipped on the host; what it left on direct params is then checked again.
         """
-        flag = self.last_found_inf = self.found_inf
-        self.found_inf = None
-        self.guards_only = False
+        flag = self.last_found_inf = self.pending()
+        self.found_inf = self.guard = None
         self.leftovers_suspect = flag is not None and may_have_skipped
 
     def last_was_skipped(self) -> bool:
