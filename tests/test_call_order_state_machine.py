@@ -51,11 +51,12 @@ def small_model(batchnorm: bool = False) -> nn.Module:
 def make_optimizer(kind: str, params):
     if kind == "SGD":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    # eps=1e-8 is 0 in fp16: an Adam on O3's fp16 weights (no masters, fp16 moments) divides by an
+    # underflowed second moment, with or without amp (FusedAdam too: its moments take the weights'
+    # dtype, as apex's did, and a step on zeroed gradients decays them to 0). 1e-4 is a normal fp16 number.
     if kind == "Adam":
-        # eps=1e-8 is 0 in fp16: torch's Adam on O3's fp16 weights (no masters) would divide by an
-        # underflowed second moment, with or without amp. 1e-4 is a normal fp16 number.
         return torch.optim.Adam(params, lr=1e-2, eps=1e-4)
-    return FusedAdam(params, lr=1e-2)
+    return FusedAdam(params, lr=1e-2, eps=1e-4)
 
 
 def loss_of(model: nn.Module, factor: float = 1.0, seed: int = 0) -> torch.Tensor:

@@ -33,7 +33,7 @@ from .master_weights import OptimizerParams
 from .pass_records import PassScale
 
 __all__ = [
-    "new_grads", "step_grads", "holds_grads", "pending_grads", "absorb", "unscale_direct", "follow_clears", "reached", "has_old_grads",
+    "new_grads", "step_grads", "holds_grads", "pending_grads", "absorb", "unscale_direct", "follow_clears", "has_old_grads",
     "stash_for_pass", "restore_stash", "hold_new_grads", "return_held", "hide_grads", "drop_consumed",
 ]
 
@@ -173,12 +173,6 @@ def follow_clears(
 
 
 # ---- where the gradients sit between a pass and a step ------------------------------------
-def reached(params: OptimizerParams) -> bool:
-    """Whether a gradient is on a direct param or a half model param (a backward reached it)."""
-    return any(p.grad is not None for p in params.direct) or any(
-        link.model_param.grad is not None for link in params.links)
-
-
 def has_old_grads(params: OptimizerParams, stash: Sequence[Optional[Tensor]]) -> bool:
     """Whether a pass's new gradients must be added to earlier ones (stashed, or on a master)."""
     return any(s is not None for s in stash) or any(link.master.grad is not None for link in params.links)

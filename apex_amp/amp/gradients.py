@@ -99,6 +99,9 @@ class _OpenPass(NamedTuple):
 _IN_PLACE_PASSES = {state: _OpenPass(state, (), continues_delayed=False, in_place=True) for state in _IN_PLACE_STATES}
 
 
+_NOTHING_HIDDEN: list = []  # the hidden gradients of a step that is not skipped on the host (never written)
+
+
 class _OpenStep(NamedTuple):
     resumes: GradState  # where an interrupted step returns
     hidden: list[tuple[Tensor, Tensor]]  # (param, grad) hidden from a skipped non-fused step
@@ -172,8 +175,14 @@ class GradLifecycle:
         if opened is not None and opened.continues_delayed:
             return True  # added in place: new and old gradients are indistinguishable
         # (A pass in place that found gradients there also lands here: they are still there, and
-        # as indistinguishable from new ones.)
-        return acc.reached(self.params)
+        # as indistinguishable from new ones.) Loops, not any() over generators: this runs on every pass.
+        for p in self.params.direct:
+            if p.grad is not None:
+                return True
+        for link in self.params.links:
+            if link.model_param.grad is not None:
+                return True
+        return False
 
     def pending_grads(self) -> list[tuple[Tensor, Tensor]]:
         """(parameter as the model knows it, gradient) of every gradient the next step consumes, in optimizer order.
@@ -197,7 +206,7 @@ class GradLifecycle:
         No step is under way and no pass open in the states that allow it, so the checks of
         ``begin_pass`` have nothing to find.
         """
-        self.sync_params()
+        self.params.sync(self._optimizer())  # (sync_params, one call less: this runs on every pass)
         self._open_pass = _IN_PLACE_PASSES[self.state]
         self._move(GradState.IN_PASS)
 
@@ -223,7 +232,8 @@ class GradLifecycle:
         """
         self._check_can_open_pass()
         self.sync_params()
-        self._reconcile_masters_once()
+        if not self._masters_reconciled:
+            self._reconcile_masters()
         self._review_guard(at_step=False)
         if self.state is GradState.DELAYED:
             self._follow_clears()
@@ -283,7 +293,7 @@ class GradLifecycle:
             self.kept_scale = scale
             self._move(GradState.SCALED)
             return scale.checked
-        acc.absorb(self.params, stash, scale, found_inf, self.skip.pending())
+        acc.absorb(self.params, stash, scale, found_inf, self.skip.found_inf)
         self.kept_scale = None
         self._move(GradState.UNSCALED)
         return scale.checked
@@ -327,7 +337,7 @@ class GradLifecycle:
             acc.return_held(self.params, self.held)
             self.held = {}
             acc.absorb(self.params, [None] * len(self.params.direct), kept, self._scratch_flag(),  # checked at end_pass
-                       self.skip.pending())
+                       self.skip.found_inf)
             self.kept_scale = None
             self._move(GradState.UNSCALED)
             return None
@@ -335,7 +345,7 @@ class GradLifecycle:
             self._follow_clears()
             if found_inf is None:
                 found_inf = self._scratch_flag()
-            acc.absorb(self.params, [None] * len(self.params.direct), kept, found_inf, self.skip.pending())
+            acc.absorb(self.params, [None] * len(self.params.direct), kept, found_inf, self.skip.found_inf)
             self.kept_scale = None
             self._move(GradState.UNSCALED)
             if kept.checked:
@@ -366,27 +376,33 @@ class GradLifecycle:
         None for others, whose skip is decided here on the host). ``undo`` runs if the step raises;
         ``running`` tells whether the step is still under way (False once it has raised).
         """
-        self._recover_interrupted_step()
-        if self.state is GradState.IN_PASS:
-            raise RuntimeError(
-                "optimizer.step() was called inside an amp.scale_loss block; call it after the block exits, "
-                "when the gradients have been checked and unscaled"
-            )
-        if self.state is GradState.DELAYED:
-            raise RuntimeError(
-                "optimizer.step() was called while the gradients are still scaled by "
-                "amp.scale_loss(..., delay_unscale=True); the last backward pass before a step must use "
-                "delay_unscale=False so that the accumulated gradients are checked and unscaled"
-            )
-        self.sync_params()
-        self._reconcile_masters_once()
+        # This runs on every step: the usual case (EMPTY or UNSCALED, nothing pending) takes no call
+        # that cannot change anything.
+        if self.state not in _IN_PLACE_STATES:
+            self._recover_interrupted_step()
+            if self.state is GradState.IN_PASS:
+                raise RuntimeError(
+                    "optimizer.step() was called inside an amp.scale_loss block; call it after the block exits, "
+                    "when the gradients have been checked and unscaled"
+                )
+            if self.state is GradState.DELAYED:
+                raise RuntimeError(
+                    "optimizer.step() was called while the gradients are still scaled by "
+                    "amp.scale_loss(..., delay_unscale=True); the last backward pass before a step must use "
+                    "delay_unscale=False so that the accumulated gradients are checked and unscaled"
+                )
+        self.params.sync(self._optimizer())  # (sync_params)
+        if not self._masters_reconciled:
+            self._reconcile_masters()
         if self.state is GradState.SPENT:
             self.settle()  # leftover scaled direct gradients must not reach the step scaled
-        self._review_guard(at_step=True)
-        if self.state is GradState.EMPTY:  # no pass since the last step: it may have been skipped
-            self.skip.carry_leftovers([p.grad for p in self.params.direct if p.grad is not None])
-        found_inf = self.skip.pending()
-        hidden: list[tuple[Tensor, Tensor]] = []
+        skip = self.skip
+        if skip.guard is not None:
+            self._review_guard(at_step=True)
+        if skip.leftovers_suspect and self.state is GradState.EMPTY:  # no pass since a step that may have been skipped
+            skip.carry_leftovers([p.grad for p in self.params.direct if p.grad is not None])
+        found_inf = skip.found_inf
+        hidden: list[tuple[Tensor, Tensor]] = _NOTHING_HIDDEN
         step_kwargs = None
         if self.fused:
             inv_scale = None
@@ -399,9 +415,10 @@ class GradLifecycle:
                 step_kwargs = {"amp": self._unscaled_step_args}
             else:
                 step_kwargs = {"amp": AmpStepArgs(found_inf, inv_scale, self.params.model_param_of)}
-        elif self.skip.skips_on_host():  # (the one host sync of non-fused optimizers)
+        elif found_inf is not None and skip.skips_on_host():  # (the one host sync of non-fused optimizers)
             hidden = acc.hide_grads(self.params)
-        self._open_step = _OpenStep(self.state, hidden, undo, running)
+        # tuple.__new__: a NamedTuple's own __new__ is Python code, one call more on every step.
+        self._open_step = tuple.__new__(_OpenStep, (self.state, hidden, undo, running))
         self._move(GradState.IN_STEP)
         return step_kwargs
 
@@ -410,9 +427,11 @@ class GradLifecycle:
         opened, self._open_step = self._open_step, None
         for p, grad in opened.hidden:
             p.grad = grad
-        acc.drop_consumed(self.params)
-        self.held = {}
-        self.skip.step_done(may_have_skipped=self.fused or bool(opened.hidden))
+        if self.params.links:
+            acc.drop_consumed(self.params)
+        if self.held:
+            self.held = {}
+        self.skip.step_done(self.fused or bool(opened.hidden))
         self.steps += 1
         if opened.resumes is GradState.SCALED and not self.kept_scale.unit and any(
             p.grad is not None for p in self.params.direct
@@ -460,9 +479,9 @@ class GradLifecycle:
         if self.state not in (GradState.IN_PASS, GradState.IN_STEP):
             self.sync_params()
 
-    def _reconcile_masters_once(self) -> None:
-        if not self._masters_reconciled:
-            self._masters_reconciled = True
-            follow_model_layouts(self.params.links, self._optimizer().state)
-            reconcile_masters(self.params.links)
+    def _reconcile_masters(self) -> None:
+        # Once, before the first pass or step (callers check _masters_reconciled).
+        self._masters_reconciled = True
+        follow_model_layouts(self.params.links, self._optimizer().state)
+        reconcile_masters(self.params.links)
 

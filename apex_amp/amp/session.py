@@ -107,7 +107,7 @@ class AmpSession:
         )
         self.lifecycles[optimizer] = lifecycle
         # Kept alive by the hooks it registers on the optimizer.
-        StepHooks(optimizer, lifecycle, flush_logs=self.flush_logs,
+        StepHooks(optimizer, lifecycle, logs=[scaler.log for scaler in self.scalers],
                   casts_off_in_step=self.properties.patch_torch_functions)
         # optimizer.load_state_dict casts each loaded state to its parameter's dtype: a group added
         # since initialize must hold its fp32 masters by then, or its moments would be rounded to half.

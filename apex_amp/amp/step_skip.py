@@ -40,22 +40,37 @@ __all__ = ["StepSkip"]
 class StepSkip:
     """The overflow flags of one optimizer's steps (kept by its ``GradLifecycle``).
 
+    ``found_inf`` is what the next step gets (None: no checked pass since the last step); it is
+    the OR of amp's own flag and the client's guard, made when one of them changes, not when the
+    step reads it (every step does).
+
     Args:
         device: where the flags live (the session's device).
     """
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        # OR of the checked passes' flags since the last step, and of what carry_leftovers found.
-        self.found_inf: Optional[Tensor] = None
+        # OR of the flags of the passes amp checked since the last step, and of what
+        # carry_leftovers found: it stands until the step.
+        self._own: Optional[Tensor] = None
         # OR of the flags of passes whose skip is the client's (delay_overflow_check) since the last
         # step: it guards their gradients only, and ends when they are all cleared (end_guard).
         self.guard: Optional[Tensor] = None
+        self.found_inf: Optional[Tensor] = None  # the next step's flag: _own and guard together
         self.last_found_inf: Optional[Tensor] = None  # the flag the last step had
         # A step that may have been skipped left gradients on direct params: the next event checks them.
         self.leftovers_suspect = False
         # A zero flag standing for clean passes known on the host; never written (note).
         self.clean = torch.zeros(1, device=device)
+
+    def _combine(self) -> None:
+        own, guard = self._own, self.guard
+        if guard is None or guard is self.clean and own is not None:
+            self.found_inf = own
+        elif own is None or own is self.clean:
+            self.found_inf = guard
+        else:
+            self.found_inf = torch.maximum(own, guard.to(own.device))
 
     def note(self, found_inf: Tensor, overflowed: Optional[bool] = None, guards_only: bool = False) -> None:
         """Add an accounted pass's flag to the next step's (no host sync).
@@ -69,7 +84,8 @@ class StepSkip:
         if guards_only:
             self.guard = self._or(self.guard, found_inf, overflowed)
         else:
-            self.found_inf = self._or(self.found_inf, found_inf, overflowed)
+            self._own = self._or(self._own, found_inf, overflowed)
+        self._combine()
 
     def _or(self, flag: Optional[Tensor], found_inf: Tensor, overflowed: Optional[bool]) -> Tensor:
         if overflowed is False:
@@ -78,19 +94,10 @@ class StepSkip:
             return found_inf.clone()  # private: the scaler reuses its flag buffer
         return torch.maximum(flag, found_inf.to(flag.device), out=flag)
 
-    def pending(self) -> Optional[Tensor]:
-        """The next step's flag: amp's and the client's guard together (None: no checked pass since the last step)."""
-        if self.guard is None:
-            return self.found_inf
-        if self.found_inf is None or self.found_inf is self.clean:
-            return self.guard
-        if self.guard is self.clean:
-            return self.found_inf
-        return torch.maximum(self.found_inf, self.guard.to(self.found_inf.device))
-
     def end_guard(self) -> None:
         """The client dropped every gradient its own check guarded: its flag must not skip the next step."""
         self.guard = None
+        self._combine()
 
     def recheck_guard(self, grads: list[Tensor]) -> None:
         """The client's guard becomes the check of ``grads``, what the step would apply now (no host sync).
@@ -102,6 +109,7 @@ class StepSkip:
             return  # nothing to guard, or passes the host knows were clean
         self.guard = torch.zeros(1, device=self._device)
         mt.check_finite(grads, self.guard)
+        self._combine()
 
     def carry_leftovers(self, grads: list[Tensor]) -> None:
         """The first event after a step that may have been skipped: check the direct gradients it left.
@@ -110,16 +118,17 @@ class StepSkip:
         replacement ends it). Their pass was accounted already: the flag is the step's only, no
         pass reports it a second time.
         """
-        if not self.leftovers_suspect or self.found_inf is not None or self.guard is not None:
+        if not self.leftovers_suspect or self.found_inf is not None:
             return
         self.leftovers_suspect = False
         if grads and self.last_found_inf is not self.clean:  # (the host's clean flag: taken)
-            self.found_inf = torch.zeros(1, device=self._device)
-            mt.check_finite(grads, self.found_inf)
+            self._own = torch.zeros(1, device=self._device)
+            mt.check_finite(grads, self._own)
+            self._combine()
 
     def skips_on_host(self) -> bool:
         """Whether a non-fused step must be skipped (its one host sync, unless the passes were clean on the host)."""
-        found_inf = self.pending()
+        found_inf = self.found_inf
         return found_inf is not None and found_inf is not self.clean and bool(found_inf.item())
 
     def step_done(self, may_have_skipped: bool) -> None:
@@ -129,8 +138,8 @@ class StepSkip:
         step's hooks, which torch.compile traces: a tensor compared there would be one more guard)
         or a step skipped on the host; what it left on direct params is then checked again.
         """
-        flag = self.last_found_inf = self.pending()
-        self.found_inf = self.guard = None
+        flag = self.last_found_inf = self.found_inf
+        self.found_inf = self._own = self.guard = None
         self.leftovers_suspect = flag is not None and may_have_skipped
 
     def last_was_skipped(self) -> bool:
