@@ -218,3 +218,56 @@ def test_a_clear_after_an_overflowing_checked_pass_still_skips_the_step(client_i
     before = _weights(model, optimizer)
     optimizer.step()
     assert not _changed(before, model, optimizer)
+
+
+def _checked_pass(model, optimizer, seed=0):
+    loss = model(torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))).float().pow(2).mean()
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+
+
+def test_a_client_skip_by_dropping_the_gradients_ends_after_a_checked_clean_pass_too(client_initialized):
+    # Found by tests/test_call_order_state_machine.py: a clean pass that amp checks, then the client's
+    # own overflowing one; the client skips by dropping every gradient, as NVIDIA's BERT does. The
+    # clean pass's flag must not keep the client's overflow as amp's own skip past the drop.
+    model, optimizer = client_initialized
+    scaler = amp._amp_state.loss_scalers[0]
+    _checked_pass(model, optimizer)
+    _unchecked_pass(model, optimizer, blow_up=1e38, seed=1)
+    scaler._overflow_buf.fill_(1)
+    assert scaler.update_scale() is True
+    for param in [*amp.master_params(optimizer), *model.parameters()]:
+        param.grad = None
+    _checked_pass(model, optimizer, seed=2)
+    before = _weights(model, optimizer)
+    optimizer.step()
+    assert not amp.step_was_skipped(optimizer) and _changed(before, model, optimizer)
+    assert amp.state_dict()["loss_scaler0"]["overflows"] == 1
+
+
+@pytest.mark.parametrize("clear", ["by hand", "optimizer.zero_grad", "model.zero_grad"])
+def test_a_client_skip_by_clearing_the_gradients_to_zero_does_not_skip_the_next(client_initialized, clear):
+    # Found by tests/test_call_order_state_machine.py: a client that skips its step by clearing the
+    # gradients to zero rather than to None. A clear that leaves a non-finite gradient (the model's
+    # under O2, where the masters keep theirs) still keeps the step from applying it.
+    model, optimizer = client_initialized
+    scaler = amp._amp_state.loss_scalers[0]
+    _unchecked_pass(model, optimizer, blow_up=1e38)
+    scaler._overflow_buf.fill_(1)
+    assert scaler.update_scale() is True
+    if clear == "by hand":
+        for param in [*amp.master_params(optimizer), *model.parameters()]:
+            if param.grad is not None:
+                param.grad.zero_()
+    elif clear == "optimizer.zero_grad":
+        optimizer.zero_grad(set_to_none=False)
+    else:
+        model.zero_grad(set_to_none=False)
+    _unchecked_pass(model, optimizer, seed=1)
+    assert scaler.update_scale() is False
+    before = _weights(model, optimizer)
+    optimizer.step()
+    left_non_finite = clear == "model.zero_grad" and bool(optimizer._amp_stash.all_fp32_from_fp16_params)
+    assert amp.step_was_skipped(optimizer) is left_non_finite
+    assert _changed(before, model, optimizer) is not left_non_finite
+    assert all(torch.isfinite(p).all() for p in [*model.parameters(), *amp.master_params(optimizer)])

@@ -11,9 +11,11 @@ The rules (each found by a search over call orders, each pinned by a test below)
   many optimizers it covers.
 
 The state machine (``CallOrder``) then drives passes through ``scale_loss``
-(clean or overflowing, with or without ``delay_unscale``), steps, clears
-through the optimizer or the model, ``amp.master_params`` reads with clipping
-and state_dict round trips in any order, and checks after every call that
+(clean or overflowing, with or without ``delay_unscale``, checked by amp or by
+the client: ``delay_overflow_check=True`` and apex's ``update_scale()``, with
+NVIDIA BERT's skip by dropping the gradients), steps, clears through the
+optimizer, the model or by hand (to None or to zero), ``amp.master_params``
+reads with clipping and state_dict round trips in any order, and checks after every call that
 everything is finite, that a step after an overflow changes nothing, that a
 step after clean passes changes the weights, and that the scale stays within
 its bounds.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -48,11 +51,12 @@ def small_model(batchnorm: bool = False) -> nn.Module:
 def make_optimizer(kind: str, params):
     if kind == "SGD":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    # eps=1e-8 is 0 in fp16: an Adam on O3's fp16 weights (no masters, fp16 moments) divides by an
+    # underflowed second moment, with or without amp (FusedAdam too: its moments take the weights'
+    # dtype, as apex's did, and a step on zeroed gradients decays them to 0). 1e-4 is a normal fp16 number.
     if kind == "Adam":
-        # eps=1e-8 is 0 in fp16: torch's Adam on O3's fp16 weights (no masters) would divide by an
-        # underflowed second moment, with or without amp. 1e-4 is a normal fp16 number.
         return torch.optim.Adam(params, lr=1e-2, eps=1e-4)
-    return FusedAdam(params, lr=1e-2)
+    return FusedAdam(params, lr=1e-2, eps=1e-4)
 
 
 def loss_of(model: nn.Module, factor: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -318,6 +322,16 @@ CONFIGS = [("O0", torch.float32, kind) for kind in ("SGD", "Adam", "FusedAdam")]
 CONFIG_IDS = [f"{level}-{str(dtype).removeprefix('torch.')}-{kind}" for level, dtype, kind in CONFIGS]
 
 
+class Event(NamedTuple):
+    """One call since the last step, as the oracle sees it."""
+
+    kind: str  # "pass" or "clear"
+    overflow: bool = False
+    delay: bool = False  # delay_unscale=True
+    client: bool = False  # delay_overflow_check=True: the skip is the client's (update_scale())
+    wipes: bool = False  # a clear that leaves no gradient the next step would consume
+
+
 class CallOrder(RuleBasedStateMachine):
     """Two optimizers over one model (apex's multi-optimizer recipe: every call covers both).
 
@@ -340,22 +354,33 @@ class CallOrder(RuleBasedStateMachine):
             extra["half_dtype"] = dtype
         self.model, self.optimizers = amp.initialize(self.model, optimizers, opt_level=level, verbosity=0,
                                                      min_loss_scale=MIN_SCALE, max_loss_scale=MAX_SCALE, **extra)
-        self.since_step: list[tuple[str, bool, bool]] = []  # ("pass", overflow, delay) or ("clear", ...)
+        self.since_step: list[Event] = []
         self.poisoned = False  # the last step left the gradients of an overflowing pass (no clear after it)
-        self.overflowing_passes = 0
+        self.overflow_budget = 0  # the overflowing passes, and the overflows the client reported itself
         self.batch = 0
 
     # ---- rules -----------------------------------------------------------------------------------
     @rule(overflow=st.booleans(), delay=st.booleans())
     def backward(self, overflow, delay):
+        self.run_pass(overflow, delay, client=False)
+
+    @rule(overflow=st.booleans(), delay=st.booleans())
+    def backward_client_checked(self, overflow, delay):
+        # apex's overflow check by hand (NVIDIA's BERT): the scale update is update_scale()'s.
+        self.run_pass(overflow, delay, client=True)
+
+    def run_pass(self, overflow, delay, client):
         self.batch += 1
-        loss = loss_of(self.model, float("inf") if overflow else 1.0, seed=self.batch)
+        # A clean pass stays clean when delay_unscale=True passes add up scaled in fp16 (at 1.0 two of
+        # them would overflow at the initial scale of 65536).
+        loss = loss_of(self.model, float("inf") if overflow else 0.1, seed=self.batch)
         overflows_before = self.overflows()
-        with amp.scale_loss(loss, self.optimizers, delay_unscale=delay) as scaled_loss:
+        with amp.scale_loss(loss, self.optimizers, delay_unscale=delay,
+                            delay_overflow_check=client) as scaled_loss:
             scaled_loss.backward()
-        self.since_step.append(("pass", overflow, delay))
-        self.overflowing_passes += overflow
-        if overflow and not delay:
+        self.since_step.append(Event("pass", overflow, delay, client))
+        self.overflow_budget += overflow
+        if overflow and not delay and not client:
             assert self.overflows() > overflows_before  # reported at its exit
 
     @rule(through=st.sampled_from(["optimizer", "model"]), set_to_none=st.booleans())
@@ -365,7 +390,37 @@ class CallOrder(RuleBasedStateMachine):
         else:
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=set_to_none)
-        self.since_step.append(("clear", False, False))
+        # Under O2 the model's clear leaves the masters' gradients.
+        self.since_step.append(Event("clear", wipes=through == "optimizer" or self.config[0] != "O2"))
+
+    @rule(replace=st.booleans())
+    def zero_grads_by_hand(self, replace):
+        # A client's own clear to zero, not through zero_grad: in place, or new zero tensors.
+        params = [*self.model.parameters(), *(p for o in self.optimizers for p in amp.master_params(o))]
+        for param in params:
+            if param.grad is not None:
+                if replace:
+                    param.grad = torch.zeros_like(param.grad)
+                else:
+                    param.grad.zero_()
+        self.since_step.append(Event("clear", wipes=True))
+
+    @rule()
+    def client_checks_then_steps(self):
+        # NVIDIA's BERT (--allreduce_post_accumulation): its own check of the gradients it would apply
+        # into the scaler's _overflow_buf, update_scale(), then the steps or, on an overflow, no step
+        # and every gradient (masters and model) set to None.
+        scaler = amp._amp_state.loss_scalers[0]
+        masters = [p for optimizer in self.optimizers for p in amp.master_params(optimizer)]
+        overflow = any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in masters)
+        scaler._overflow_buf.fill_(int(overflow))
+        if scaler.update_scale():
+            self.overflow_budget += 1
+            for param in [*masters, *self.model.parameters()]:
+                param.grad = None
+            self.since_step.append(Event("clear", wipes=True))
+        else:
+            self.step()
 
     @rule(max_norm=st.sampled_from([0.1, 10.0]))
     def clip_master_grads(self, max_norm):
@@ -383,14 +438,25 @@ class CallOrder(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        passes = [(overflow, delay) for event, overflow, delay in self.since_step if event == "pass"]
-        delayed_last = bool(passes) and passes[-1][1]
-        cleared = any(event[0] == "clear" for event in self.since_step)
-        kinds = [event[0] for event in self.since_step]
+        events = self.since_step
+        passes = [event for event in events if event.kind == "pass"]
+        delayed_last = bool(passes) and passes[-1].delay
+        cleared = any(event.kind == "clear" for event in events)
+        kinds = [event.kind for event in events]
         # The first pass after a step checks what the step left: before a clear, it finds the
         # gradients of an overflow (and the step is skipped as after an overflowing pass).
         first_pass_before_clear = "pass" in kinds and (
             "clear" not in kinds or kinds.index("pass") < kinds.index("clear"))
+
+        def wiped_after(index):
+            return any(event.kind == "clear" and event.wipes for event in events[index + 1:])
+
+        # An overflow whose skip is amp's keeps the step skipped past any clear (apex had patched
+        # the step by then); one whose skip is the client's, until a clear leaves nothing of it.
+        must_skip = any(event.kind == "pass" and event.overflow and not event.delay
+                        and not (event.client and wiped_after(index)) for index, event in enumerate(events))
+        overflow_left = any(event.kind == "pass" and event.overflow and not (event.client and wiped_after(index))
+                            for index, event in enumerate(events))
         for index, optimizer in enumerate(self.optimizers):
             # Parameters without a master: all but O2's, whose second optimizer holds the BatchNorm.
             has_direct = self.config[0] != "O2" or index == 1
@@ -406,27 +472,27 @@ class CallOrder(RuleBasedStateMachine):
             skipped = amp.step_was_skipped(optimizer)
             if skipped:
                 assert same(before, after), "a step amp reports skipped changed the weights or state"
-            if any(overflow and not delay for overflow, delay in passes):
+            if must_skip:
                 assert skipped, "a step after an overflowing pass was taken"
             if self.poisoned and has_direct and not cleared:
                 # Passes or not in between: the gradients the skipped step left are still there.
                 assert same(before, after), "a step applied the gradients a skipped step left"
-            if self.poisoned and not self.since_step:
+            if self.poisoned and not events:
                 assert same(before, after), "a second step right after a skipped one changed something"
             carried = self.poisoned and has_direct and first_pass_before_clear
             if carried:
                 assert skipped, "a pass added to the gradients a skipped step left, and the step was taken"
-            last = self.since_step[-1] if self.since_step else None
+            last = events[-1] if events else None
             trains = (
-                passes and not any(overflow for overflow, _ in passes)
-                and last[0] == "pass" and not last[2]  # the last pass or clear: a pass taken in
+                passes and not overflow_left
+                and last.kind == "pass" and not last.delay  # the last pass or clear: a pass taken in
                 and (not self.poisoned or cleared) and not carried
             )
             if trains:
                 assert not skipped and not same(before, after), "a step after clean passes changed nothing"
-        cleared_at = max((i for i, event in enumerate(self.since_step) if event[0] == "clear"), default=-1)
+        cleared_at = max((i for i, event in enumerate(events) if event.kind == "clear"), default=-1)
         self.poisoned = (self.poisoned and not cleared) or any(
-            event[0] == "pass" and event[1] for event in self.since_step[cleared_at + 1:])
+            event.kind == "pass" and event.overflow for event in events[cleared_at + 1:])
         self.since_step = []
 
     # ---- invariants ------------------------------------------------------------------------------
@@ -441,8 +507,8 @@ class CallOrder(RuleBasedStateMachine):
             assert all_finite(self.model, optimizer), "a weight, master or optimizer state is not finite"
         state = amp.state_dict()["loss_scaler0"]
         assert MIN_SCALE <= state["loss_scale"] <= MAX_SCALE
-        # Each overflowing pass is reported once at most, whatever the optimizers and the call order.
-        assert state["overflows"] <= self.overflowing_passes
+        # Each overflow is reported once at most, whatever the optimizers and the call order.
+        assert state["overflows"] <= self.overflow_budget
 
 
 def run_call_orders(config, max_examples: int, steps: int, derandomize: bool) -> None:

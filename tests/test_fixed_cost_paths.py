@@ -13,6 +13,8 @@
   ``amp.initialize`` must be seen.
 * the input cast hook passes plain tensors that need no cast on without walking them: what the
   forward receives must be what the walk would have given.
+* the step's flag is made when amp's flag or the client's guard changes, not when every step reads
+  it: it must be their OR after any sequence of changes.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from apex_amp import amp
 from apex_amp.amp.gradients import GradState
 from apex_amp.amp.sessions import session_for
+from apex_amp.amp.step_skip import StepSkip
 from apex_amp.optimizers import FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 
@@ -323,7 +328,45 @@ def test_a_clean_pass_then_an_overflow_skips_and_the_next_clean_step_is_taken(op
         optimizer.step()
         assert amp.step_was_skipped(optimizer) is not taken
         assert any(not torch.equal(a, b) for a, b in zip(before, masters())) is taken
-    assert not _lifecycle(optimizer)._clean_flag.any()
+    assert not _lifecycle(optimizer).skip.clean.any()
+
+
+_FLAG_CHANGES = st.lists(st.one_of(
+    # a pass noted: its flag's value, whether its skip is the client's, whether the host knows the value
+    st.tuples(st.just("note"), st.booleans(), st.booleans(), st.booleans()),
+    st.tuples(st.just("end_guard")),
+    st.tuples(st.just("recheck_guard"), st.booleans()),  # whether the gradients are finite now
+), max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(changes=_FLAG_CHANGES)
+def test_the_step_flag_made_on_write_is_the_or_of_amps_and_the_clients(changes):
+    skip = StepSkip(torch.device("cpu"))
+    own = guard = None  # the long way: each flag's value, or None
+    guard_known_clean = False  # a guard the host knows is clean is not checked again
+    for change in changes:
+        if change[0] == "note":
+            _, value, guards_only, on_host = change
+            skip.note(torch.tensor([float(value)]), value if on_host else None, guards_only=guards_only)
+            if guards_only:
+                guard_known_clean = (guard is None or guard_known_clean) and on_host and not value
+                guard = bool(guard) or value
+            else:
+                own = bool(own) or value
+        elif change[0] == "end_guard":
+            skip.end_guard()
+            guard, guard_known_clean = None, False
+        else:
+            skip.recheck_guard([torch.tensor([1.0 if change[1] else float("inf")])])
+            if guard is not None and not guard_known_clean:
+                guard = not change[1]
+        flags = [flag for flag in (own, guard) if flag is not None]
+        if not flags:
+            assert skip.found_inf is None
+        else:
+            assert bool(skip.found_inf.item()) == any(flags)
+    assert not skip.clean.any()
 
 
 # ---- the resolution of scale_loss's optimizer argument -------------------------------------------------

@@ -2,19 +2,26 @@
 
 What happens to the gradients is the gradient lifecycle's (``gradients.py``);
 the accounting of the checked pass is the session's (``AmpSession.account``).
+
+``scale_loss`` checks its arguments and returns one of two context managers,
+classes rather than ``contextlib.contextmanager`` generators: this runs on
+every step, and a generator-based manager costs several Python calls more on
+entry and exit (``benchmarks/README.md``, ``bench_overhead.py``). Each
+``__exit__`` undoes what ``__enter__`` began when the block raised.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import ContextManager, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from . import casting, sessions
-from .gradients import GradLifecycle, PassRecord, PassScale
+from .gradients import GradLifecycle
+from .pass_records import PassRecord, PassScale
 from .session import AmpSession
 
 __all__ = ["scale_loss"]
@@ -28,7 +35,6 @@ def _skips_grad_sync(model: Optional[torch.nn.Module]) -> bool:
     return isinstance(model, ddp) and not model.require_backward_grad_sync
 
 
-@contextlib.contextmanager
 def scale_loss(
     loss: Tensor,
     optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
@@ -36,7 +42,7 @@ def scale_loss(
     model: Optional[torch.nn.Module] = None,
     delay_unscale: bool = False,
     delay_overflow_check: bool = False,
-) -> Iterator[Tensor]:
+) -> ContextManager[Tensor]:
     """Context manager yielding ``loss.float() * loss_scale``; call ``backward()`` on it inside.
 
     On exit the gradients this backward produced are checked for inf/NaN and
@@ -76,7 +82,7 @@ def scale_loss(
             step, which updates the scale and says whether to skip. A step is
             still skipped while gradients this pass found non-finite are there;
             the client may instead skip by not stepping and setting the
-            gradients to None (masters and model), which ends them.
+            gradients to None (masters and model) or zero, which ends them.
 
     .. note::
         Nothing in this context manager syncs with the host. With a
@@ -95,8 +101,7 @@ def scale_loss(
     resolved = sessions.resolve(optimizers, "scale_loss")
     session = resolved.session
     if not session.enabled:
-        yield loss
-        return
+        return contextlib.nullcontext(loss)
     if not isinstance(loss, Tensor):
         raise TypeError(f"amp.scale_loss expects the loss as a tensor, got {type(loss).__name__}")
     num_losses = len(session.scalers)
@@ -115,50 +120,66 @@ def scale_loss(
         )
     scaler = session.scalers[loss_id]
     lifecycles = resolved.lifecycles
-    if scaler.static_value == 1.0 and not scaler.check_finite and all(
-        lifecycle.can_pass_in_place() for lifecycle in lifecycles
-    ):
-        yield from _pass_in_place(loss, session, lifecycles)
-    else:
-        yield from _checked_pass(loss, session, lifecycles, loss_id, model, delay_unscale, delay_overflow_check)
+    if scaler.static_value == 1.0 and not scaler.check_finite:
+        for lifecycle in lifecycles:  # (a loop, not all() over a generator: this runs on every pass)
+            if not lifecycle.can_pass_in_place():
+                break
+        else:
+            return _PassInPlace(loss, session, lifecycles)
+    return _CheckedPass(loss, session, lifecycles, loss_id, model, delay_unscale, delay_overflow_check)
 
 
-def _pass_in_place(loss: Tensor, session: AmpSession, lifecycles: list[GradLifecycle]) -> Iterator[Tensor]:
+def _abort(lifecycles: Sequence[GradLifecycle]) -> None:
+    for lifecycle in lifecycles:
+        lifecycle.abort_pass()
+
+
+class _PassInPlace:
     # A static scale of 1, no check, no masters, nothing kept scaled (O0, O3): the backward's sum is
     # the true gradient and amp has nothing to do, as apex's short cut had it. Only the lifecycle's
     # state moves, so a step inside the block is still refused.
-    begun = []
-    try:
-        for lifecycle in lifecycles:
-            lifecycle.begin_pass_in_place()
-            begun.append(lifecycle)
-    except BaseException:
-        for lifecycle in begun:
-            lifecycle.abort_pass()
-        raise
-    # loss.float() of an fp32 loss is the loss itself: the same object, without a dispatcher call.
-    loss = loss if loss.dtype is torch.float32 else loss.float()
-    try:
+    __slots__ = ("_loss", "_session", "_lifecycles", "_casts_off")
+
+    def __init__(self, loss: Tensor, session: AmpSession, lifecycles: list[GradLifecycle]) -> None:
+        self._loss, self._session, self._lifecycles, self._casts_off = loss, session, lifecycles, None
+
+    def __enter__(self) -> Tensor:
+        lifecycles = self._lifecycles
+        begun = 0
+        try:
+            for lifecycle in lifecycles:
+                lifecycle.begin_pass_in_place()
+                begun += 1
+        except BaseException:
+            _abort(lifecycles[:begun])
+            raise
+        loss = self._loss
+        if self._session.properties.patch_torch_functions:
+            self._casts_off = casting.disable_casts()  # see _CheckedPass
+            self._casts_off.__enter__()
+        # loss.float() of an fp32 loss is the loss itself: the same object, without a dispatcher call.
+        return loss if loss.dtype is torch.float32 else loss.float()
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        if self._casts_off is not None:
+            self._casts_off.__exit__(exc_type, exc, traceback)
+        if exc_type is not None:
+            _abort(self._lifecycles)
+            return False  # the block's exception goes on
+        session = self._session
+        if not session.warned_unreached:
+            _warn_if_unreached(session, self._lifecycles)
+        for lifecycle in self._lifecycles:
+            lifecycle.end_pass(None, None, delay_unscale=False)
         if session.properties.patch_torch_functions:
-            with casting.disable_casts():  # see _checked_pass
-                yield loss
-        else:
-            yield loss
-    except BaseException:
-        for lifecycle in lifecycles:
-            lifecycle.abort_pass()
-        raise
-    if not session.warned_unreached:
-        _warn_if_unreached(session, lifecycles)
-    for lifecycle in lifecycles:
-        lifecycle.end_pass(None, None, delay_unscale=False)
-    if session.properties.patch_torch_functions:
-        casting.clear_cache()
+            casting.clear_cache()
+        return False
 
 
 def _warn_if_unreached(session: AmpSession, lifecycles: list[GradLifecycle]) -> None:
-    if any(lifecycle.has_new_grads() for lifecycle in lifecycles):
-        return
+    for lifecycle in lifecycles:
+        if lifecycle.has_new_grads():
+            return
     session.warned_unreached = True
     logger.warning(
         "amp.scale_loss: the backward pass produced no gradient for any parameter of the optimizer(s) "
@@ -168,64 +189,81 @@ def _warn_if_unreached(session: AmpSession, lifecycles: list[GradLifecycle]) -> 
     )
 
 
-def _checked_pass(
-    loss: Tensor, session: AmpSession, lifecycles: list[GradLifecycle], loss_id: int,
-    model: Optional[torch.nn.Module], delay_unscale: bool, client_checks: bool,
-) -> Iterator[Tensor]:
-    scaler = session.scalers[loss_id]
-    session.flush_logs(check_collapse=True)  # raises once a loss scale has collapsed
-    session.loaded_values.forget()  # a resume's loads are done once training runs
-    session.follow_ddp_wrappers(model, lifecycles)  # once per wrapper: rank 0's masters
-    local_accumulation = _skips_grad_sync(model) or session.accumulates_in_fsdp2()
-    if local_accumulation:
-        # Checking these local gradients now would let ranks disagree on the
-        # skip; unscaling them would keep them out of DDP's next all-reduce.
-        # FSDP2 keeps them inside itself until a synchronising backward.
-        delay_unscale = True
-    session.settle_for_pass(lifecycles, loss_id)
-    key = (loss_id, scaler.scale_epoch)
-    begun = []
-    try:
-        for lifecycle in lifecycles:
-            lifecycle.begin_pass(key, local_accumulation)
-            begun.append(lifecycle)
-    except BaseException:
-        for lifecycle in begun:
-            lifecycle.abort_pass()
-        raise
+class _CheckedPass:
+    # Every other pass: the loss is scaled, the backward writes fresh gradients beside those already
+    # there (begin_pass stashes them), and the exit checks, unscales and accounts them.
+    __slots__ = ("_loss", "_session", "_lifecycles", "_loss_id", "_model", "_delay_unscale", "_client_checks",
+                 "_local_accumulation", "_casts_off")
 
-    if scaler.static_value == 1.0:
-        scaled_loss = loss.float()
-    elif scaler.static_value is not None:
-        scaled_loss = loss.float() * scaler.static_value
-    else:
-        scaled_loss = loss.float() * scaler.scale_for_loss().to(loss.device)
-    # Backward runs with O1's casts off: autograd replays each op's backward
-    # under the caller's autocast state, and our Python-level O1 kernels would
-    # otherwise be re-entered for every backward call. The gradients are the same.
-    casts_off = casting.disable_casts() if session.properties.patch_torch_functions else contextlib.nullcontext()
-    try:
-        with casts_off:
-            yield scaled_loss
-    except BaseException:
-        for lifecycle in lifecycles:
-            lifecycle.abort_pass()
-        raise
+    def __init__(
+        self, loss: Tensor, session: AmpSession, lifecycles: list[GradLifecycle], loss_id: int,
+        model: Optional[torch.nn.Module], delay_unscale: bool, client_checks: bool,
+    ) -> None:
+        self._loss, self._session, self._lifecycles, self._loss_id = loss, session, lifecycles, loss_id
+        self._model, self._delay_unscale, self._client_checks = model, delay_unscale, client_checks
+        self._local_accumulation, self._casts_off = False, None
 
-    if not local_accumulation and not session.warned_unreached:
-        _warn_if_unreached(session, lifecycles)
-    found_inf = scaler.found_inf_for_pass()  # zeroed; nothing keeps it past this exit
-    scale = PassScale(
-        loss_id=loss_id, epoch=scaler.scale_epoch, inv_scale=scaler.inv_scale(),  # the scale these gradients carry
-        unit=scaler.static_value == 1.0, checked=scaler.check_finite, client_checks=client_checks,
-    )
-    checked = [lifecycle for lifecycle in lifecycles if lifecycle.end_pass(scale, found_inf, delay_unscale)]
-    if checked:
-        # Accounting ends this scale's accumulation: optimizers an earlier delay_unscale pass of it
-        # covered but this pass did not are taken in now, under the same flag (one update).
-        others = session.take_in_accumulation(scale.key, found_inf)
-        if others is not None:
-            checked += [lifecycle for lifecycle in others.lifecycles if lifecycle not in checked]
-        session.account(PassRecord(loss_id, found_inf, tuple(checked), scale.inv_scale, client_checks))
-    if session.properties.patch_torch_functions:
-        casting.clear_cache()
+    def __enter__(self) -> Tensor:
+        session, lifecycles, loss_id, loss = self._session, self._lifecycles, self._loss_id, self._loss
+        scaler = session.scalers[loss_id]
+        session.flush_logs(check_collapse=True)  # raises once a loss scale has collapsed
+        session.loaded_values.forget()  # a resume's loads are done once training runs
+        session.follow_ddp_wrappers(self._model, lifecycles)  # once per wrapper: rank 0's masters
+        local_accumulation = self._local_accumulation = _skips_grad_sync(self._model) or session.accumulates_in_fsdp2()
+        if local_accumulation:
+            # Checking these local gradients now would let ranks disagree on the
+            # skip; unscaling them would keep them out of DDP's next all-reduce.
+            # FSDP2 keeps them inside itself until a synchronising backward.
+            self._delay_unscale = True
+        session.settle_for_pass(lifecycles, loss_id)
+        key = (loss_id, scaler.scale_epoch)
+        begun = 0
+        try:
+            for lifecycle in lifecycles:
+                lifecycle.begin_pass(key, local_accumulation)
+                begun += 1
+        except BaseException:
+            _abort(lifecycles[:begun])
+            raise
+
+        if scaler.static_value == 1.0:
+            scaled_loss = loss.float()
+        elif scaler.static_value is not None:
+            scaled_loss = loss.float() * scaler.static_value
+        else:
+            scaled_loss = loss.float() * scaler.scale_for_loss().to(loss.device)
+        # Backward runs with O1's casts off: autograd replays each op's backward
+        # under the caller's autocast state, and our Python-level O1 kernels would
+        # otherwise be re-entered for every backward call. The gradients are the same.
+        if session.properties.patch_torch_functions:
+            self._casts_off = casting.disable_casts()
+            self._casts_off.__enter__()
+        return scaled_loss
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        if self._casts_off is not None:
+            self._casts_off.__exit__(exc_type, exc, traceback)
+        session, lifecycles, loss_id = self._session, self._lifecycles, self._loss_id
+        if exc_type is not None:
+            _abort(lifecycles)
+            return False  # the block's exception goes on
+        scaler = session.scalers[loss_id]
+        if not self._local_accumulation and not session.warned_unreached:
+            _warn_if_unreached(session, lifecycles)
+        found_inf = scaler.found_inf_for_pass()  # zeroed; nothing keeps it past this exit
+        client_checks = self._client_checks
+        scale = PassScale(
+            loss_id=loss_id, epoch=scaler.scale_epoch, inv_scale=scaler.inv_scale(),  # the scale these gradients carry
+            unit=scaler.static_value == 1.0, checked=scaler.check_finite, client_checks=client_checks,
+        )
+        checked = [lifecycle for lifecycle in lifecycles if lifecycle.end_pass(scale, found_inf, self._delay_unscale)]
+        if checked:
+            # Accounting ends this scale's accumulation: optimizers an earlier delay_unscale pass of it
+            # covered but this pass did not are taken in now, under the same flag (one update).
+            others = session.take_in_accumulation(scale.key, found_inf)
+            if others is not None:
+                checked += [lifecycle for lifecycle in others.lifecycles if lifecycle not in checked]
+            session.account(PassRecord(loss_id, found_inf, tuple(checked), scale.inv_scale, client_checks))
+        if session.properties.patch_torch_functions:
+            casting.clear_cache()
+        return False

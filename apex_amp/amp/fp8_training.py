@@ -91,7 +91,7 @@ class Fp8Training:
             if lifecycle.steps == self._last_step[key]:
                 return  # a nested step (a subclass calling super().step()): amp counted one step
             self._last_step[key] = lifecycle.steps
-            self.scales.end_step(columns, lifecycle.last_step_found_inf, self.process_group)
+            self.scales.end_step(columns, lifecycle.skip.last_found_inf, self.process_group)
 
         optimizer.register_step_post_hook(after_step)
 

@@ -1,61 +1,29 @@
 """The gradient lifecycle of one optimizer: one state machine, every transition in this file.
 
-How amp handles gradients
--------------------------
 ``amp.scale_loss`` multiplies the loss by the loss scale, so the backward pass
-writes *scaled* gradients. Under O2 the model is half and its optimizer holds
-fp32 *masters* instead of the model's parameters (``master_weights.py``);
-parameters without a master (fp32 batchnorm under O2, every parameter at
-O0/O1/O3) are *direct*: the optimizer reads their own ``.grad``.
+writes *scaled* gradients. Under O2 the optimizer holds fp32 *masters* in
+place of the half model's parameters (``master_weights.py``); parameters
+without a master (every parameter at O0/O1/O3, fp32 batchnorm under O2) are
+*direct*: the optimizer reads their own ``.grad``. The rules the states keep
+are written for users in ``docs/o2_gradients.md``; in short:
 
-The model's gradients are the source of truth. When a ``scale_loss`` block
-exits, the gradients its backward pass wrote are checked for inf/NaN and
-either
-
-* **unscaled** into fp32: into the masters' ``.grad`` (O2) or in place
-  (direct), added to what an earlier pass since the last step left there, so
-  several passes with different losses and scales add up; or
-* **kept scaled** for an optimizer that unscales as it reads (FusedAdam takes
-  ``inv_scale``): a half model gradient is then moved off the model into this
-  object, so that nothing the user does to the model (``model.zero_grad()``,
-  another loss's backward through the same layers) changes it before the step.
-
-A step, taken or skipped, **consumes** the gradients of the passes since the
-previous step: afterwards no master holds a gradient. The masters are not
-model parameters, so ``model.zero_grad()`` never reaches them; because the
-step consumes them, clearing gradients where training loops do (before the
-forward pass or after the step) through the model, through the optimizer, by
-``p.grad = None``, or not clearing the masters at all gives the same next
-step. Direct parameters keep their ``.grad`` after a step, as in PyTorch,
-skipped or not; after a step that may have been skipped, the first event (a
-pass, or a step with no pass in between) checks what it left again
-(``_carry_leftovers``), so no step applies a gradient amp saw non-finite
-until a clear or new gradients replace it.
-
-Between a ``scale_loss`` exit and the step, amp has taken that pass's
-gradients in (into the masters' ``.grad``, or held for the fused step), so
-clearing the model's gradients there does not discard them, as in apex;
-``optimizer.zero_grad()`` does, as in PyTorch. The gradients of a
-``delay_unscale=True`` pass are not taken in until a pass without it: they
-stay on the model, scaled, and a clear through the model or the optimizer
-discards them. What amp keeps where ``optimizer.zero_grad()`` cannot reach
-(held for a fused step, or a delayed accumulation on the half model under
-O2) follows its clears (``grad_clears.py``), ending where PyTorch's
-gradients would after the same clears.
-
-The overflow flag of a pass covers everything the next step will consume:
-the new gradients, and the sums they were added to unless an earlier pass
-since the last step already reported those. So a step is skipped when a pass
-since the previous step reported an overflow, and that pass's scaler backed
-off and logged it, or when the gradients a skipped step left are still not
-finite (``step_found_inf`` is the OR of those flags). A DELAYED accumulation
-is checked when it is taken in, under one flag for every optimizer it covers
-(``AmpSession.take_in_accumulation``): one record, one scale update. A
-pass with ``delay_overflow_check=True`` leaves its skip and its scale update
-to the client (apex's ``update_scale()``, once per step): its gradients are
-unscaled onto the masters (never held), and its flag only keeps a step from
-applying them; it ends when the client has set them all to None instead of
-stepping (``_end_cleared_guard``).
+* The model's gradients are the source of truth. When a ``scale_loss`` block
+  exits, the gradients its backward wrote are checked and either **unscaled**
+  into fp32 (onto the masters or in place, added to what earlier passes since
+  the last step left: ``grad_accumulation.py``), or **kept scaled** off the
+  model (``held``) for a fused optimizer that unscales as it reads, so that
+  nothing the user does to the model changes them before the step.
+* A step, taken or skipped, **consumes** them: afterwards no master holds a
+  gradient, however the user clears. Direct parameters keep their ``.grad``,
+  as in PyTorch; whether a step is skipped, and what a skipped one left, is
+  the step's flag (``step_skip.py``).
+* ``delay_unscale=True`` passes stay on the model, scaled (DELAYED), until a
+  pass without it; the session checks such an accumulation once for every
+  optimizer it covers (``AmpSession.take_in_accumulation``). What amp keeps
+  where ``optimizer.zero_grad()`` cannot reach follows its clears
+  (``grad_clears.py``). A ``delay_overflow_check=True`` pass's gradients are
+  unscaled onto the masters (never held) and its flag ends when the client
+  has set them all to None or zero instead of stepping (``_review_guard``).
 
 States (``GradState``) and transitions (``_TRANSITIONS``; ``_move`` is the
 only writer of ``state``)::
@@ -85,11 +53,13 @@ from torch import Tensor
 
 from .._torch_compat import hash_enum_by_identity
 from ..optimizers.fused_optimizer import AmpStepArgs, FusedOptimizer
-from . import _multi_tensor as mt
-from .grad_clears import Cleared, ClearWatch
+from . import grad_accumulation as acc
+from .grad_clears import ClearWatch
 from .master_weights import Fp32ValueOf, MasterLink, OptimizerParams, follow_model_layouts, reconcile_masters
+from .pass_records import PassScale
+from .step_skip import StepSkip
 
-__all__ = ["GradState", "PassScale", "PassRecord", "GradLifecycle"]
+__all__ = ["GradState", "GradLifecycle"]
 
 
 @hash_enum_by_identity  # every transition and state test looks states up
@@ -116,41 +86,8 @@ _TRANSITIONS: dict[GradState, frozenset[GradState]] = {
 }
 
 
-# The records of a pass or a step are made on every pass and step: named tuples, which cost a
+# The records of an open pass or step are made on every pass and step: named tuples, which cost a
 # fraction of a dataclass to build.
-class PassScale(NamedTuple):
-    """The scale the gradients of one backward pass carry."""
-
-    loss_id: int
-    epoch: int  # the loss scaler's scale epoch: passes of one loss in one epoch carry the same scale
-    inv_scale: Tensor  # one-element float32 device tensor
-    unit: bool  # the static scale 1.0: nothing to multiply
-    checked: bool  # check for inf/NaN (and skip the step on overflow)
-    # delay_overflow_check=True: the client updates the scale itself (update_scale()), once per step
-    client_checks: bool = False
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.loss_id, self.epoch)
-
-
-class PassRecord(NamedTuple):
-    """A checked backward pass for the session to account (agree across ranks, update the scale, log).
-
-    ``scale_loss`` makes one for the lifecycles ``end_pass`` checked, the session one per DELAYED
-    accumulation it takes in (``AmpSession.take_in_accumulation``: one record for every optimizer
-    the accumulation covers); the lifecycle never accounts a pass itself.
-    """
-
-    loss_id: int
-    found_inf: Tensor
-    lifecycles: tuple["GradLifecycle", ...]
-    inv_scale: Tensor
-    # delay_overflow_check=True: the session leaves the scale update to the client's update_scale(), and
-    # the flag only keeps the step from applying these gradients (GradLifecycle.note_found_inf)
-    client_checks: bool = False
-
-
 class _OpenPass(NamedTuple):
     resumes: GradState  # where abort_pass returns
     stash: Sequence[Optional[Tensor]]  # the direct params' .grad from before the pass
@@ -160,6 +97,9 @@ class _OpenPass(NamedTuple):
 
 # A pass in place keeps nothing of its own: one record per state it may start from, made once.
 _IN_PLACE_PASSES = {state: _OpenPass(state, (), continues_delayed=False, in_place=True) for state in _IN_PLACE_STATES}
+
+
+_NOTHING_HIDDEN: list = []  # the hidden gradients of a step that is not skipped on the host (never written)
 
 
 class _OpenStep(NamedTuple):
@@ -202,19 +142,10 @@ class GradLifecycle:
         self.held: dict[Tensor, Tensor] = {}  # SCALED: master -> its model param's scaled gradient
         # SCALED, DELAYED: the optimizer's zero_grad calls since the gradients were kept off its params.
         self._clears = ClearWatch(optimizer)
-        # A step that may have been skipped left gradients on direct params: the next event checks them.
-        self._leftovers_suspect = False
-        # OR of the checked passes' flags since the last step, and of what _carry_leftovers found.
-        self.step_found_inf: Optional[Tensor] = None
-        # Every flag in step_found_inf came from passes whose skip is the client's (delay_overflow_check):
-        # it guards their gradients only, and ends when they are all cleared (_end_cleared_guard).
-        self._flag_guards_only = False
-        self.last_step_found_inf: Optional[Tensor] = None
+        self.skip = StepSkip(device)  # whether the next step is skipped, and whether the last one was
         self._masters_reconciled = False
         self._open_pass: Optional[_OpenPass] = None
         self._open_step: Optional[_OpenStep] = None
-        # A zero flag standing for clean passes known on the host; never written (note_found_inf).
-        self._clean_flag = torch.zeros(1, device=device)
         # What a fused step gets when no checked pass or kept scale is pending (made once).
         self._unscaled_step_args = AmpStepArgs(None, None, self.params.model_param_of)
 
@@ -244,36 +175,21 @@ class GradLifecycle:
         if opened is not None and opened.continues_delayed:
             return True  # added in place: new and old gradients are indistinguishable
         # (A pass in place that found gradients there also lands here: they are still there, and
-        # as indistinguishable from new ones.)
-        return any(p.grad is not None for p in self.params.direct) or any(
-            link.model_param.grad is not None for link in self.params.links)
+        # as indistinguishable from new ones.) Loops, not any() over generators: this runs on every pass.
+        for p in self.params.direct:
+            if p.grad is not None:
+                return True
+        for link in self.params.links:
+            if link.model_param.grad is not None:
+                return True
+        return False
 
     def pending_grads(self) -> list[tuple[Tensor, Tensor]]:
         """(parameter as the model knows it, gradient) of every gradient the next step consumes, in optimizer order.
 
         Masters are named by their model parameter; a SCALED or DELAYED gradient is still scaled.
         """
-        found = []
-        for param in self.params.ordered:
-            model_param = self.params.model_param_of.get(param)
-            grad = param.grad
-            if grad is None and model_param is not None:
-                grad = self.held.get(param, model_param.grad)
-            if grad is not None:
-                found.append((param if model_param is None else model_param, grad))
-        return found
-
-    def _new_grads(self) -> list[Tensor]:
-        grads = [p.grad for p in self.params.direct if p.grad is not None]
-        grads += [link.model_param.grad for link in self.params.links if link.model_param.grad is not None]
-        return grads
-
-    def _holds_grads(self) -> bool:
-        return (
-            bool(self.held)
-            or any(p.grad is not None for p in self.params.direct)
-            or any(link.master.grad is not None for link in self.params.links)
-        )
+        return acc.pending_grads(self.params, self.held)
 
     # ---- around a backward pass ----------------------------------------------------
     def can_pass_in_place(self) -> bool:
@@ -290,7 +206,7 @@ class GradLifecycle:
         No step is under way and no pass open in the states that allow it, so the checks of
         ``begin_pass`` have nothing to find.
         """
-        self.sync_params()
+        self.params.sync(self._optimizer())  # (sync_params, one call less: this runs on every pass)
         self._open_pass = _IN_PLACE_PASSES[self.state]
         self._move(GradState.IN_PASS)
 
@@ -316,8 +232,9 @@ class GradLifecycle:
         """
         self._check_can_open_pass()
         self.sync_params()
-        self._reconcile_masters_once()
-        self._end_cleared_guard()
+        if not self._masters_reconciled:
+            self._reconcile_masters()
+        self._review_guard(at_step=False)
         if self.state is GradState.DELAYED:
             self._follow_clears()
         if self.state is GradState.DELAYED and self.kept_scale.key == key:
@@ -326,7 +243,7 @@ class GradLifecycle:
             return
         if self.settle() is not None:  # settle_for_pass took every DELAYED accumulation in already
             raise RuntimeError("apex_amp internal error: a delayed accumulation reached begin_pass unsettled")
-        if local_accumulation and self._holds_grads():
+        if local_accumulation and acc.holds_grads(self.params, self.held):
             raise RuntimeError(
                 "amp.scale_loss under DistributedDataParallel.no_sync() (or FSDP2's "
                 "set_requires_gradient_sync(False)) found gradients it cannot accumulate "
@@ -335,14 +252,8 @@ class GradLifecycle:
                 "Call optimizer.zero_grad(set_to_none=True) before the first no_sync pass and use one loss_id "
                 "per accumulated step"
             )
-        stash = [p.grad for p in self.params.direct]
-        self._carry_leftovers([grad for grad in stash if grad is not None])
-        for p in self.params.direct:
-            p.grad = None
-        for link in self.params.links:
-            # Half gradients left by a backward outside this optimizer's passes (another loss through
-            # the same layers): not this optimizer's; the masters hold what its passes produced.
-            link.model_param.grad = None
+        stash = acc.stash_for_pass(self.params)
+        self.skip.carry_leftovers([grad for grad in stash if grad is not None])
         self._open_pass = _OpenPass(self.state, stash, continues_delayed=False)
         self._move(GradState.IN_PASS)
 
@@ -354,10 +265,7 @@ class GradLifecycle:
             self._move(GradState.UNSCALED if self.has_new_grads() else opened.resumes)
             return
         if not opened.continues_delayed:
-            for p, old in zip(self.params.direct, opened.stash):
-                p.grad = old
-            for link in self.params.links:
-                link.model_param.grad = None
+            acc.restore_stash(self.params, opened.stash)
         self._move(opened.resumes)
 
     def end_pass(self, scale: Optional[PassScale], found_inf: Optional[Tensor], delay_unscale: bool) -> bool:
@@ -371,7 +279,7 @@ class GradLifecycle:
             self._move(GradState.UNSCALED)
             return False
         stash = [None] * len(self.params.direct) if opened.continues_delayed else opened.stash
-        has_old = any(s is not None for s in stash) or any(link.master.grad is not None for link in self.params.links)
+        has_old = acc.has_old_grads(self.params, stash)
         if delay_unscale and not has_old:
             self.kept_scale = scale
             self._clears.arm()
@@ -380,51 +288,28 @@ class GradLifecycle:
         # A client that checks the overflow itself (delay_overflow_check) reads and clears the masters'
         # gradients by hand, as under apex: they are unscaled onto the masters, not held off them.
         if self.keeps_scaled and not has_old and not scale.client_checks:
-            if scale.checked:
-                mt.check_finite(self._new_grads(), found_inf)
-            self.held = {}
-            for link in self.params.links:
-                if link.model_param.grad is not None:
-                    self.held[link.master] = link.model_param.grad
-                    link.model_param.grad = None
+            self.held = acc.hold_new_grads(self.params, scale, found_inf)
             self._clears.arm()
             self.kept_scale = scale
             self._move(GradState.SCALED)
             return scale.checked
-        self._absorb(stash, scale, found_inf)
+        acc.absorb(self.params, stash, scale, found_inf, self.skip.found_inf)
         self.kept_scale = None
         self._move(GradState.UNSCALED)
         return scale.checked
 
-    def note_found_inf(self, found_inf: Tensor, overflowed: Optional[bool] = None, guards_only: bool = False) -> None:
-        """Add an accounted pass's flag to the next step's (no host sync).
-
-        ``overflowed``: the flag's value when the host knows it already (a CPU flag). A clean
-        pass then adds nothing, and needs no copy: the shared zero flag stands for it.
-        ``guards_only``: the pass left its skip to the client (``delay_overflow_check=True``, apex's
-        ``update_scale()`` flow): the flag keeps a step from applying its gradients, and ends when
-        the client clears them all instead of stepping (``_end_cleared_guard``).
-        """
-        first = self.step_found_inf is None
-        self._flag_guards_only = guards_only and (first or self._flag_guards_only)
-        if overflowed is False:
-            if self.step_found_inf is None:
-                self.step_found_inf = self._clean_flag
-            return
-        if self.step_found_inf is None or self.step_found_inf is self._clean_flag:
-            self.step_found_inf = found_inf.clone()  # private: the scaler reuses its flag buffer
-        else:
-            torch.maximum(self.step_found_inf, found_inf.to(self.step_found_inf.device), out=self.step_found_inf)
-
-    def _end_cleared_guard(self) -> None:
+    def _review_guard(self, at_step: bool) -> None:
         # A client that checks the overflow itself (delay_overflow_check=True) skips an overflowing
-        # step by not stepping and dropping the gradients (param.grad = None, as NVIDIA's BERT does):
-        # with none of them left, their flag guards nothing and must not skip the next step. (A pass
-        # whose skip is amp's keeps it past a clear: apex had patched the step to skip by then.)
-        if (self._flag_guards_only and self.step_found_inf is not None
-                and self.state in _IN_PLACE_STATES and not self._holds_grads()):
-            self.step_found_inf = None
-            self._flag_guards_only = False
+        # step by not stepping and dropping the gradients (param.grad = None, as NVIDIA's BERT does)
+        # or clearing them to zero: with none of them left, their flag guards nothing and must not
+        # skip the next step; at the step, the guard is what the step would apply (one read of the
+        # gradients). (A pass whose skip is amp's keeps it past a clear: apex had patched the step.)
+        if self.skip.guard is None or self.state not in _IN_PLACE_STATES:
+            return
+        if not acc.holds_grads(self.params, self.held):
+            self.skip.end_guard()
+        elif at_step:
+            self.skip.recheck_guard(acc.step_grads(self.params))
 
     def delayed_key(self) -> Optional[tuple[int, int]]:
         """(loss_id, scale epoch) of a DELAYED accumulation (None in the other states)."""
@@ -443,18 +328,16 @@ class GradLifecycle:
         self._recover_interrupted_step()
         kept = self.kept_scale
         if self.state is GradState.SPENT:
-            grads = [p.grad for p in self.params.direct if p.grad is not None]
-            if grads and not kept.unit:
-                mt.unscale_(grads, self._scratch_flag(), kept.inv_scale)  # checked by their own pass
+            acc.unscale_direct(self.params, kept, self._scratch_flag())  # checked by their own pass
             self.kept_scale = None
             self._move(GradState.EMPTY)
             return None
         if self.state is GradState.SCALED:
             self._follow_clears()
-            for master, grad in self.held.items():
-                self.params.model_param_of[master].grad = grad
+            acc.return_held(self.params, self.held)
             self.held = {}
-            self._absorb([None] * len(self.params.direct), kept, self._scratch_flag())  # checked at end_pass
+            acc.absorb(self.params, [None] * len(self.params.direct), kept, self._scratch_flag(),  # checked at end_pass
+                       self.skip.found_inf)
             self.kept_scale = None
             self._move(GradState.UNSCALED)
             return None
@@ -462,7 +345,7 @@ class GradLifecycle:
             self._follow_clears()
             if found_inf is None:
                 found_inf = self._scratch_flag()
-            self._absorb([None] * len(self.params.direct), kept, found_inf)
+            acc.absorb(self.params, [None] * len(self.params.direct), kept, found_inf, self.skip.found_inf)
             self.kept_scale = None
             self._move(GradState.UNSCALED)
             if kept.checked:
@@ -485,58 +368,6 @@ class GradLifecycle:
     def _scratch_flag(self) -> Tensor:
         return torch.zeros(1, device=self._device)
 
-    def _absorb(self, stash: Sequence[Optional[Tensor]], scale: PassScale, found_inf: Tensor) -> None:
-        # The new gradients (direct params' and half model params' .grad) become true values, added to
-        # the stashed direct gradients and to the masters' .grad.
-        fresh, new, old = [], [], []
-        for p, stashed in zip(self.params.direct, stash):
-            grad = p.grad
-            if grad is None:
-                p.grad = stashed
-            elif stashed is None:
-                fresh.append(grad)
-            else:
-                new.append(grad)
-                old.append(stashed)
-                p.grad = stashed
-        if fresh:
-            if not scale.unit:
-                mt.unscale_(fresh, found_inf, scale.inv_scale)
-            elif scale.checked:
-                mt.check_finite(fresh, found_inf)  # read-only: half the traffic of an unscale by 1
-        src, dst = [], []
-        for link in self.params.links:
-            grad = link.model_param.grad
-            if grad is None:
-                continue
-            if link.master.grad is None:
-                # A sparse gradient gets a sparse master gradient of the same stored elements.
-                link.master.grad = grad.to(torch.float32) if grad.is_sparse else torch.empty_like(link.master)
-                src.append(grad)
-                dst.append(link.master.grad)
-            else:
-                new.append(grad)
-                old.append(link.master.grad)
-            link.model_param.grad = None
-        if src:
-            mt.scale_(src, dst, scale.inv_scale, found_inf)
-        if new:
-            self._accumulate(new, old, scale, found_inf)
-
-    def _accumulate(self, new: list[Tensor], old: list[Tensor], scale: PassScale, found_inf: Tensor) -> None:
-        # old += inv_scale * new. The pass's flag covers the new gradients, and the sums too unless an
-        # earlier pass since the last step reported them (its inf would otherwise back off every later
-        # loss's scale as well). Without an earlier checked pass, one axpby_ flags both.
-        earlier = self.step_found_inf
-        if not scale.checked or earlier is None:
-            mt.axpby_(new, old, scale.inv_scale, 1.0, found_inf)
-            return
-        mt.check_finite(new, found_inf)
-        sum_found_inf = self._scratch_flag()
-        mt.axpby_(new, old, scale.inv_scale, 1.0, sum_found_inf)
-        unreported = sum_found_inf * (1.0 - earlier.to(sum_found_inf.device))
-        torch.maximum(found_inf, unreported.to(found_inf.device), out=found_inf)
-
     # ---- around optimizer.step() ---------------------------------------------------------
     def before_step(self, undo: Optional[Callable[[], None]], running: Callable[[], bool]) -> Optional[dict]:
         """The step pre-hook's part: what the step gets, and the skip of a non-fused step.
@@ -545,48 +376,49 @@ class GradLifecycle:
         None for others, whose skip is decided here on the host). ``undo`` runs if the step raises;
         ``running`` tells whether the step is still under way (False once it has raised).
         """
-        self._recover_interrupted_step()
-        if self.state is GradState.IN_PASS:
-            raise RuntimeError(
-                "optimizer.step() was called inside an amp.scale_loss block; call it after the block exits, "
-                "when the gradients have been checked and unscaled"
-            )
-        if self.state is GradState.DELAYED:
-            raise RuntimeError(
-                "optimizer.step() was called while the gradients are still scaled by "
-                "amp.scale_loss(..., delay_unscale=True); the last backward pass before a step must use "
-                "delay_unscale=False so that the accumulated gradients are checked and unscaled"
-            )
-        self.sync_params()
-        self._reconcile_masters_once()
+        # This runs on every step: the usual case (EMPTY or UNSCALED, nothing pending) takes no call
+        # that cannot change anything.
+        if self.state not in _IN_PLACE_STATES:
+            self._recover_interrupted_step()
+            if self.state is GradState.IN_PASS:
+                raise RuntimeError(
+                    "optimizer.step() was called inside an amp.scale_loss block; call it after the block exits, "
+                    "when the gradients have been checked and unscaled"
+                )
+            if self.state is GradState.DELAYED:
+                raise RuntimeError(
+                    "optimizer.step() was called while the gradients are still scaled by "
+                    "amp.scale_loss(..., delay_unscale=True); the last backward pass before a step must use "
+                    "delay_unscale=False so that the accumulated gradients are checked and unscaled"
+                )
+        self.params.sync(self._optimizer())  # (sync_params)
+        if not self._masters_reconciled:
+            self._reconcile_masters()
         if self.state is GradState.SPENT:
             self.settle()  # leftover scaled direct gradients must not reach the step scaled
-        self._end_cleared_guard()
-        if self.state is GradState.EMPTY:  # no pass since the last step: it may have been skipped
-            self._carry_leftovers([p.grad for p in self.params.direct if p.grad is not None])
-        found_inf = self.step_found_inf
-        hidden: list[tuple[Tensor, Tensor]] = []
+        skip = self.skip
+        if skip.guard is not None:
+            self._review_guard(at_step=True)
+        if skip.leftovers_suspect and self.state is GradState.EMPTY:  # no pass since a step that may have been skipped
+            skip.carry_leftovers([p.grad for p in self.params.direct if p.grad is not None])
+        found_inf = skip.found_inf
+        hidden: list[tuple[Tensor, Tensor]] = _NOTHING_HIDDEN
         step_kwargs = None
         if self.fused:
             inv_scale = None
             if self.state is GradState.SCALED:
                 self._follow_clears()
-                for master, grad in self.held.items():  # where the fused step reads them
-                    self.params.model_param_of[master].grad = grad
+                acc.return_held(self.params, self.held)  # where the fused step reads them
                 if not self.kept_scale.unit:
                     inv_scale = self.kept_scale.inv_scale
             if found_inf is None and inv_scale is None:
                 step_kwargs = {"amp": self._unscaled_step_args}
             else:
                 step_kwargs = {"amp": AmpStepArgs(found_inf, inv_scale, self.params.model_param_of)}
-        elif found_inf is not None and found_inf is not self._clean_flag and bool(found_inf.item()):
-            # (the one host sync of non-fused optimizers)
-            # torch optimizers skip parameters without a gradient: weights, moments, step counts untouched.
-            for p in self.params.ordered:
-                if p.grad is not None:
-                    hidden.append((p, p.grad))
-                    p.grad = None
-        self._open_step = _OpenStep(self.state, hidden, undo, running)
+        elif found_inf is not None and skip.skips_on_host():  # (the one host sync of non-fused optimizers)
+            hidden = acc.hide_grads(self.params)
+        # tuple.__new__: a NamedTuple's own __new__ is Python code, one call more on every step.
+        self._open_step = tuple.__new__(_OpenStep, (self.state, hidden, undo, running))
         self._move(GradState.IN_STEP)
         return step_kwargs
 
@@ -595,17 +427,11 @@ class GradLifecycle:
         opened, self._open_step = self._open_step, None
         for p, grad in opened.hidden:
             p.grad = grad
-        for link in self.params.links:
-            link.master.grad = None
-            link.model_param.grad = None
-        self.held = {}
-        flag = self.last_step_found_inf = self.step_found_inf
-        self.step_found_inf = None
-        self._flag_guards_only = False
-        # What the step left on direct params is checked again by the next event if it may have been
-        # skipped (a non-fused skip; a fused step's flag is looked at then, not in the step's hooks,
-        # which torch.compile traces: a tensor compared there would be one more guard).
-        self._leftovers_suspect = flag is not None and (self.fused or bool(opened.hidden))
+        if self.params.links:
+            acc.drop_consumed(self.params)
+        if self.held:
+            self.held = {}
+        self.skip.step_done(self.fused or bool(opened.hidden))
         self.steps += 1
         if opened.resumes is GradState.SCALED and not self.kept_scale.unit and any(
             p.grad is not None for p in self.params.direct
@@ -631,43 +457,11 @@ class GradLifecycle:
             opened.undo()
         self._move(opened.resumes)
 
-    def step_was_skipped(self) -> bool:
-        """Whether the last step was skipped (a host read)."""
-        flag = self.last_step_found_inf
-        return flag is not None and bool(flag.item())
-
     def _follow_clears(self) -> None:
-        # optimizer.zero_grad() between scale_loss and the step clears the gradients amp took in
-        # (the masters' .grad of a torch optimizer) itself. What amp keeps off the optimizer's params,
-        # the gradients held for a fused step (SCALED) and under O2 a delay_unscale accumulation on
-        # the half model (DELAYED), follows the clears as PyTorch's gradients would (grad_clears.py).
-        cleared = self._clears.cleared()
-        if cleared is None:
-            return
-        if self.state is GradState.DELAYED:
-            for link in self.params.links:
-                if cleared is Cleared.TO_NONE:
-                    link.model_param.grad = None
-                elif link.model_param.grad is not None:
-                    link.model_param.grad.zero_()
-        elif cleared is Cleared.TO_NONE:
-            self.held = {}
-        else:
-            for grad in self.held.values():
-                grad.zero_()
-
-    def _carry_leftovers(self, grads: list[Tensor]) -> None:
-        # The first event after a step that may have been skipped (a pass or another step): the
-        # direct params' gradients it left are checked again, and the next step is skipped while
-        # they are not finite (a clear to zero, to None or a replacement ends it). Their pass was
-        # accounted already: the flag is the step's only, no pass reports it a second time.
-        if not self._leftovers_suspect or self.step_found_inf is not None:
-            return
-        self._leftovers_suspect = False
-        if grads and self.last_step_found_inf is not self._clean_flag:  # (the host's clean flag: taken)
-            self._flag_guards_only = False
-            self.step_found_inf = self._scratch_flag()
-            mt.check_finite(grads, self.step_found_inf)
+        # What amp keeps off the optimizer's params (held for a fused step; a DELAYED accumulation
+        # on the half model under O2) follows optimizer.zero_grad() as PyTorch's gradients would.
+        self.held = acc.follow_clears(self._clears.cleared(), self.params, self.held,
+                                      delayed=self.state is GradState.DELAYED)
 
     # ---- parameters -------------------------------------------------------------------
     def sync_params(self) -> None:
@@ -685,9 +479,9 @@ class GradLifecycle:
         if self.state not in (GradState.IN_PASS, GradState.IN_STEP):
             self.sync_params()
 
-    def _reconcile_masters_once(self) -> None:
-        if not self._masters_reconciled:
-            self._masters_reconciled = True
-            follow_model_layouts(self.params.links, self._optimizer().state)
-            reconcile_masters(self.params.links)
+    def _reconcile_masters(self) -> None:
+        # Once, before the first pass or step (callers check _masters_reconciled).
+        self._masters_reconciled = True
+        follow_model_layouts(self.params.links, self._optimizer().state)
+        reconcile_masters(self.params.links)
 

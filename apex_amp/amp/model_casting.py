@@ -73,11 +73,6 @@ def _cast_tensor(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor.to(dtype) if tensor.dtype != dtype and tensor.is_floating_point() else tensor
 
 
-def _plain_tensors_of(args: tuple, dtype: torch.dtype) -> bool:
-    # Plain tensors (not subclasses, not containers) that need no cast: dtype already, or not floating.
-    return all(type(arg) is Tensor and (arg.dtype is dtype or not arg.is_floating_point()) for arg in args)
-
-
 def _cast_custom_batch(obj: Any, dtype: torch.dtype) -> Any:
     # A module passed to forward is not data: .to(dtype) would cast its weights in place.
     if isinstance(obj, nn.Module) or not callable(getattr(obj, "to", None)):
@@ -93,8 +88,15 @@ def add_cast_hooks(
     if input_dtype is not None:
 
         def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-            if not kwargs and _plain_tensors_of(args, input_dtype):
-                return None  # the usual call (O0's fp32 batch): nothing to cast, no walk
+            if not kwargs:
+                # The usual call (O0's fp32 batch): plain tensors (not subclasses, not containers) that
+                # need no cast (the dtype already, or not floating): nothing to cast, no walk. A loop
+                # in the hook, not all() over a generator: this runs on every forward.
+                for arg in args:
+                    if type(arg) is not Tensor or (arg.dtype is not input_dtype and arg.is_floating_point()):
+                        break
+                else:
+                    return None
             new_kwargs = cast_floating_tensors(kwargs, input_dtype) if kwargs else kwargs
             return cast_floating_tensors(args, input_dtype), new_kwargs
 

@@ -90,7 +90,9 @@ class OverflowLog:
         self.raise_steps = raise_steps
         self.floor_streak = 0  # overflows in a row with the scale at its floor
         self.collapse_message: Optional[str] = None  # set once floor_streak reaches raise_steps
-        self._pending: collections.deque = collections.deque()
+        # Records queued until their values reach the host (CUDA flags only); the step hooks look
+        # at it before calling flush, on every step.
+        self.pending: collections.deque = collections.deque()
 
     def record(self, found_inf: Tensor, scale: Tensor, *, static: bool) -> None:
         """Queue one backward pass's flag and the scale after its update (no sync)."""
@@ -99,8 +101,8 @@ class OverflowLog:
             host_values = values.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-            self._pending.append((host_values, ready, static))
-            self.flush(block=len(self._pending) > _MAX_PENDING)
+            self.pending.append((host_values, ready, static))
+            self.flush(block=len(self.pending) > _MAX_PENDING)
         else:
             self._consume(values, static)
 
@@ -110,12 +112,12 @@ class OverflowLog:
 
     def flush(self, block: bool = False) -> None:
         """Log the queued records whose values have reached the host (all of them if ``block``)."""
-        while self._pending:
-            host_values, ready, static = self._pending[0]
+        while self.pending:
+            host_values, ready, static = self.pending[0]
             if not block and not ready.query():
                 return
             ready.synchronize()
-            self._pending.popleft()
+            self.pending.popleft()
             self._consume(host_values, static)
 
     def _consume(self, values: Tensor, static: bool) -> None:

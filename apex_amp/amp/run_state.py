@@ -108,7 +108,7 @@ def step_was_skipped(optimizer: torch.optim.Optimizer) -> bool:
     session = sessions.find_session([optimizer], "step_was_skipped")
     if not session.enabled:
         return False
-    return session.lifecycle_of(optimizer).step_was_skipped()
+    return session.lifecycle_of(optimizer).skip.last_was_skipped()
 
 
 def loss_scale(loss_id: int = 0) -> float:

@@ -19,10 +19,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import distributed
 from .fsdp2 import ShardedModels
-from .gradients import GradLifecycle, PassRecord
+from .gradients import GradLifecycle
 from .loss_scaler import LossScaler
 from .master_weights import LoadedValues, MasterLink
 from .opt_levels import AmpProperties
+from .pass_records import PassRecord
 from .step_hooks import StepHooks
 
 __all__ = ["AmpSession"]
@@ -106,7 +107,7 @@ class AmpSession:
         )
         self.lifecycles[optimizer] = lifecycle
         # Kept alive by the hooks it registers on the optimizer.
-        StepHooks(optimizer, lifecycle, flush_logs=self.flush_logs,
+        StepHooks(optimizer, lifecycle, logs=[scaler.log for scaler in self.scalers],
                   casts_off_in_step=self.properties.patch_torch_functions)
         # optimizer.load_state_dict casts each loaded state to its parameter's dtype: a group added
         # since initialize must hold its fp32 masters by then, or its moments would be rounded to half.
@@ -128,7 +129,7 @@ class AmpSession:
         # delay_overflow_check=True: the client updates the scale once per step (update_scale()).
         overflowed = None if record.client_checks else self.scalers[record.loss_id].update(record.found_inf)
         for lifecycle in record.lifecycles:
-            lifecycle.note_found_inf(record.found_inf, overflowed, guards_only=record.client_checks)
+            lifecycle.skip.note(record.found_inf, overflowed, guards_only=record.client_checks)
         if self.overflow_recorder is not None:
             self.overflow_recorder.record(record.found_inf, record.loss_id, record.inv_scale, record.lifecycles)
 

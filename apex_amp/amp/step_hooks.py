@@ -26,15 +26,18 @@ from __future__ import annotations
 
 import sys
 from types import FrameType
-from typing import Any, Callable, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from . import _multi_tensor as mt
 from . import casting
 from .gradients import GradLifecycle
+from .overflow_log import OverflowLog
 
 __all__ = ["StepHooks"]
+
+_is_compiling = torch.compiler.is_compiling
 
 
 def _on_stack(frame: FrameType) -> bool:
@@ -51,16 +54,16 @@ class StepHooks:
 
     Args:
         lifecycle: the optimizer's gradient lifecycle.
-        flush_logs: logs the overflow messages that are due (before each step).
+        logs: the session's overflow logs, whose messages that are due are logged before each step.
         casts_off_in_step: O1: turn the per-op casts off while the step runs.
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, lifecycle: GradLifecycle, *, flush_logs: Callable[[], None],
+        self, optimizer: torch.optim.Optimizer, lifecycle: GradLifecycle, *, logs: Sequence[OverflowLog],
         casts_off_in_step: bool,
     ) -> None:
         self.lifecycle = lifecycle
-        self._flush_logs = flush_logs
+        self._logs = tuple(logs)
         self._casts_off_in_step = casts_off_in_step
         self._casts_off: Any = None
         # The step in progress: whether there is one, the frame of torch's step wrapper that ran our
@@ -86,7 +89,7 @@ class StepHooks:
         return self._in_step and (self._step_frame is None or _on_stack(self._step_frame))
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
-        if self._step_running():
+        if self._in_step and self._step_running():
             self._nested += 1  # super().step() inside a subclass's step: amp's part is done already
             return None if self._step_kwargs is None else (args, {**kwargs, **self._step_kwargs})
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
@@ -96,10 +99,12 @@ class StepHooks:
                 "the closure's backward would run outside amp.scale_loss. Compute the loss and call "
                 "backward inside `with amp.scale_loss(loss, optimizer) as scaled_loss:`, then optimizer.step()"
             )
-        self._flush_logs()
+        for log in self._logs:  # (records are queued on CUDA only: a look, not a call, on every step)
+            if log.pending:
+                log.flush()
         # Recovers a step that raised.
-        step_kwargs = self.lifecycle.before_step(undo=self._end_step, running=self._step_running)
-        frame = None if torch.compiler.is_compiling() else sys._getframe(1)
+        step_kwargs = self.lifecycle.before_step(self._end_step, self._step_running)
+        frame = None if _is_compiling() else sys._getframe(1)
         self._in_step, self._step_frame, self._nested, self._step_kwargs = True, frame, 0, step_kwargs
         if self._casts_off_in_step:
             self._casts_off = casting.disable_casts()
