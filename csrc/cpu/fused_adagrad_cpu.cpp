@@ -18,6 +18,8 @@ void fused_adagrad_cpu(
     at::TensorList grads,
     at::TensorList state_sums,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     double lr,
     double eps,
     double weight_decay,
@@ -25,13 +27,15 @@ void fused_adagrad_cpu(
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf) {
   validate_fused_adagrad(
-      params, grads, state_sums, model_params, lr, eps, weight_decay, inv_scale, found_inf, at::kCPU);
+      params, grads, state_sums, model_params, master_remainders, state_absmaxes, lr, eps,
+      weight_decay, inv_scale, found_inf, at::kCPU);
   if (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.f) {
     return;
   }
   const AdagradHyper hyper{
       static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(weight_decay), adagrad_w_mode};
-  const FusedLists lists(params, grads, {state_sums}, model_params);
+  const FusedLists lists(
+      params, grads, {state_sums}, model_params, master_remainders, state_absmaxes);
   active_kernels().adagrad(lists.plan(), lists.operands(), hyper, value_or_one(inv_scale));
 }
 

@@ -24,6 +24,8 @@ void fused_novograd_cpu(
     at::TensorList exp_avgs,
     at::TensorList exp_avg_sqs,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     const at::Tensor& step,
     double lr,
     double beta1,
@@ -37,8 +39,8 @@ void fused_novograd_cpu(
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf) {
   validate_fused_novograd(
-      params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps, weight_decay,
-      norm_type, inv_scale, found_inf, at::kCPU);
+      params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
+      lr, beta1, beta2, eps, weight_decay, norm_type, inv_scale, found_inf, at::kCPU);
   const std::optional<float> step_after = take_step(step, found_inf);
   if (!step_after) {
     return;
@@ -76,7 +78,8 @@ void fused_novograd_cpu(
   NovoGradHyper hyper = novograd_hyper(
       lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment);
   prepare_step(hyper, *step_after);
-  const FusedLists lists(params, grads, {exp_avgs}, model_params);
+  const FusedLists lists(
+      params, grads, {exp_avgs}, model_params, master_remainders, state_absmaxes);
   active_kernels().novograd(lists.plan(), lists.operands(moments.data()), hyper, inv);
 }
 
