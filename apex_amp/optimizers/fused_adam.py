@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Union
 
 from .. import ops
 from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer
@@ -49,7 +49,15 @@ class FusedAdam(FusedOptimizer):
             on the device, which is what apex's capturable mode provides.
         master_weights: keep fp32 master copies of fp16/bf16 parameters in the
             optimizer state (without amp); the half parameters are rewritten in
-            the same pass.
+            the same pass. ``"remainder"``: for bf16 parameters, keep only the low
+            16 bits of each fp32 master (``master_remainder``, int16): the bf16
+            parameter is its high half, so the master is exact in 2 bytes instead of 4.
+        state_precision: how the per-element state is stored: ``"fp32"`` (default), ``"bf16"``,
+            ``"fp8"`` or ``"int8"`` (docs/low_precision_state.md); also a param-group key.
+        state_block_size: the largest block of fp8/int8 state sharing one fp32 absmax (a power
+            of two in [32, 4096], default 256); also a param-group key.
+        min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
+            keep fp32 state (default 4096); also a param-group key.
 
     Example::
 
@@ -60,6 +68,7 @@ class FusedAdam(FusedOptimizer):
     """
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq")
+    NONNEGATIVE_STATE_KEYS = frozenset({"exp_avg_sq"})
     COUNTS_STEPS = True
 
     def __init__(
@@ -74,7 +83,10 @@ class FusedAdam(FusedOptimizer):
         amsgrad: bool = False,
         set_grad_none: bool = True,
         capturable: bool = False,
-        master_weights: bool = False,
+        master_weights: Union[bool, str] = False,
+        state_precision: str = "fp32",
+        state_block_size: int = 256,
+        min_quantized_numel: int = 4096,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
@@ -88,7 +100,8 @@ class FusedAdam(FusedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}; it must be >= 0")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay)
-        super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights)
+        super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, state_precision=state_precision,
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
 
