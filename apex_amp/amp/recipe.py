@@ -82,6 +82,9 @@ class Recipe:
     consecutive_hysteresis: bool = True
     fp8: Optional[Fp8Recipe] = None  # fp8 GEMMs for the eligible nn.Linear layers
     fp8_refusal: Optional[str] = None  # why this level cannot train with fp8 (None: it can)
+    # master_weights="remainder": no fp32 copies; each bf16 weight is the high half of its fp32
+    # master and the fused optimizer keeps the low half (state "master_remainder").
+    remainder_masters: bool = False
 
     # ---- the model -------------------------------------------------------------------
     @property
@@ -184,7 +187,7 @@ class Recipe:
             f"  cast_model_type       : {self.cast_model_type}",
             f"  patch_torch_functions : {self.patch_torch_functions}",
             f"  keep_batchnorm_fp32   : {self.keep_batchnorm_fp32}",
-            f"  master_weights        : {self.master_weights}",
+            f"  master_weights        : {'remainder' if self.remainder_masters else self.master_weights}",
             f"  loss_scale            : {scale}",
             f"  gradient checks       : {'on (non-finite steps are skipped)' if self.check_finite else 'off'}",
         ]

@@ -34,9 +34,9 @@ from torch import Tensor
 from .._dtensor import is_dtensor, local_tensor
 from .._dtypes import HALF_DTYPES
 from . import _state_storage as storage
-from ._batch_plan import BatchPlan, copy_of_step
-from .state_conversion import convert_state as convert_param_state
-from .state_formats import join_master, split_master
+from ._batch_plan import BatchPlan, FusedBatch, copy_of_step, merge_fp32_into_copy_batches
+from .state_conversion import adopt_loaded_state
+from .state_formats import split_master
 
 __all__ = ["AmpStepArgs", "FusedBatch", "FusedOptimizer"]
 
@@ -58,40 +58,6 @@ class AmpStepArgs:
     found_inf: Optional[Tensor] = None
     inv_scale: Optional[Tensor] = None
     model_params: Mapping[Tensor, Tensor] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class FusedBatch:
-    """The tensors of one op call: one param group, one device, with or without a model copy.
-
-    ``owners`` are the optimizer's params (whose state the batch holds), ``params`` what is
-    updated (the params, or optimizer-owned masters), ``states`` the per-element state lists by
-    key, ``absmaxes`` their per-block absmaxes (numel 0 for a state that has none),
-    ``master_remainders`` the int16 low halves of remainder masters (one per param, or none),
-    ``new_state`` whether each param's state was created for this step. DTensors (FSDP2)
-    are their local shards: the ops are elementwise per tensor.
-    """
-
-    device: torch.device
-    owners: list[Tensor] = dataclasses.field(default_factory=list)
-    params: list[Tensor] = dataclasses.field(default_factory=list)
-    grads: list[Tensor] = dataclasses.field(default_factory=list)
-    states: dict[str, list[Tensor]] = dataclasses.field(default_factory=dict)
-    model_params: list[Tensor] = dataclasses.field(default_factory=list)
-    new_state: list[bool] = dataclasses.field(default_factory=list)
-    step: Optional[Tensor] = None  # the group's step count (optimizers that count steps)
-    absmaxes: dict[str, list[Optional[Tensor]]] = dataclasses.field(default_factory=dict)  # None: not blocked
-    master_remainders: list[Tensor] = dataclasses.field(default_factory=list)
-
-    def state_absmaxes(self, indices: Optional[list[int]] = None) -> list[Tensor]:
-        """The ops' ``state_absmaxes``: state-list-major, for the params at ``indices`` (default all),
-        numel-0 tensors for the states that are not blocked; [] when none is."""
-        lists = [self.absmaxes[key] for key in self.states]
-        if indices is not None:
-            lists = [[absmaxes[i] for i in indices] for absmaxes in lists]
-        if all(t is None for absmaxes in lists for t in absmaxes):
-            return []
-        return [torch.empty(0, device=self.device) if t is None else t for absmaxes in lists for t in absmaxes]
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -185,12 +151,33 @@ class FusedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         storage.check_group(group)
         if self.remainder_masters:
-            half = [tuple(p.shape) for p in group["params"] if p.dtype == torch.float16]
-            if half:
-                raise ValueError(
-                    f"master_weights='remainder' keeps the low 16 bits of an fp32 master beside a bf16 param "
-                    f"(its high half); fp16 is not the high half of fp32, so fp16 params (shapes {half}) "
-                    "cannot have remainder masters: cast the model to bf16, or use master_weights=True")
+            _refuse_fp16_remainders(group)
+
+    def use_remainder_masters(self, masters: Optional[Mapping[Tensor, Tensor]] = None) -> None:
+        """Keep bf16 params' fp32 masters as remainders from now on (amp's ``master_weights="remainder"``).
+
+        Args:
+            masters: ``{param: its fp32 value}`` for params just cast to bf16 (amp's O2 casts the
+                model after taking these): the param becomes the high half of that value and its
+                remainder the low half, so the master starts exactly where an fp32 copy would.
+
+        Example::
+
+            >>> optimizer.use_remainder_masters()   # as FusedAdam(..., master_weights="remainder")
+        """
+        if any("master_param" in state for state in self.state.values()):
+            raise RuntimeError(f"{type(self).__name__} already holds fp32 masters (master_weights=True); "
+                               "build it with master_weights='remainder' instead")
+        for group in self.param_groups:
+            _refuse_fp16_remainders(group)
+        self.remainder_masters, self.master_weights = True, False
+        self._batch_plans = {}
+        with torch.no_grad():
+            for param, master in (masters or {}).items():
+                if self._keeps_remainder(param):
+                    weight, remainder = split_master(master)
+                    param.copy_(weight)
+                    self.state[param]["master_remainder"] = remainder
 
     # ---- what a subclass writes ---------------------------------------------------------------
     def _fused_step(self, group: dict[str, Any], batch: FusedBatch, amp: AmpStepArgs) -> None:
@@ -388,7 +375,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if remainder:
                 batch.master_remainders.append(local_tensor(state["master_remainder"]))
             batch.new_state.append(created)
-        merged = _merge_fp32_into_copy_batches(batches)
+        merged = merge_fp32_into_copy_batches(batches)
         if self.COUNTS_STEPS and merged:
             step = self._group_step(group, merged[0].device)
             for index, batch in enumerate(merged):
@@ -449,47 +436,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         owners = [(p, g) for g in self.param_groups for p in g["params"]]
         for index, (param, group) in zip(saved_ids, owners):
             if param in self.state:
-                self._adopt_stored_state(param, group, stored.get(index, {}))
-
-    def _adopt_stored_state(self, param: Tensor, group: dict[str, Any], stored: dict[str, Tensor]) -> None:
-        # The loaded state of `param` in this optimizer's formats (and memory layout, once, at load).
-        state = self.state[param]
-        for key, value in stored.items():
-            state[key] = value.to(param.device)
-        with torch.no_grad():
-            _convert_masters(state, param, self._keeps_master(param), self._keeps_remainder(param))
-        target = state.get("master_param", param)
-        if self._keeps_master(param) or param.dtype == torch.float32:
-            target = target if target.dtype == torch.float32 else param.detach().float()
-        target = _laid_out_like(target, param)
-        remainder = self._keeps_remainder(param)
-        layout = None
-        for key in self._state_keys(group):
-            if key not in state:
-                continue
-            if layout is None:
-                layout = storage.layout_of(param, target, group, remainder) or _NATIVE
-            codes, absmax = convert_param_state(
-                _laid_out_like(state[key], param), state.pop(storage.absmax_key(key), None),
-                None if layout is _NATIVE else layout, key in self.NONNEGATIVE_STATE_KEYS, target)
-            state[key] = codes
-            if absmax is not None:
-                state[storage.absmax_key(key)] = absmax
-        if "master_param" in state:
-            state["master_param"] = _laid_out_like(state["master_param"], param)
+                adopt_loaded_state(
+                    self.state[param], param, group, stored.get(index, {}), keys=self._state_keys(group),
+                    nonnegative=self.NONNEGATIVE_STATE_KEYS, keeps_master=self._keeps_master(param),
+                    keeps_remainder=self._keeps_remainder(param))
 
 
-_NATIVE = object()  # a state stored in its target's dtype (no StateLayout)
-
-
-def _convert_masters(state: dict[str, Any], param: Tensor, keeps_master: bool, keeps_remainder: bool) -> None:
-    # A checkpoint of master_weights=True loaded with "remainder" (and back): the same exact master.
-    if keeps_remainder and "master_param" in state:
-        weight, remainder = split_master(state.pop("master_param").float())
-        param.copy_(weight)
-        state["master_remainder"] = remainder
-    elif keeps_master and "master_remainder" in state and param.dtype == torch.bfloat16:
-        state["master_param"] = join_master(param.detach(), state.pop("master_remainder"))
+def _refuse_fp16_remainders(group: dict[str, Any]) -> None:
+    half = [tuple(p.shape) for p in group["params"] if p.dtype == torch.float16]
+    if half:
+        raise ValueError(
+            f"master_weights='remainder' keeps the low 16 bits of an fp32 master beside a bf16 param "
+            f"(its high half); fp16 is not the high half of fp32, so fp16 params (shapes {half}) "
+            "cannot have remainder masters: cast the model to bf16, or use master_weights=True")
 
 
 def as_step(value: Any, device: torch.device) -> Tensor:
@@ -510,35 +469,3 @@ def _leave_grads_unscaled(batches: list[tuple[dict[str, Any], FusedBatch]], amp:
         if amp.found_inf is not None:
             factor = torch.where(amp.found_inf.to(batch.device).reshape(()) > 0, torch.ones_like(factor), factor)
         torch._foreach_mul_(batch.grads, factor)
-
-
-# fp32 params without a model copy join the batch of those with one (typically the fp32
-# BatchNorm params next to O2's half model params), each passed as its own model copy: the
-# ops allow model_params[i] to be params[i] and write the same value twice, to cache lines
-# just written, which costs less than the fixed overhead of a second call and a copy of the
-# step (benchmarks/README.md has the measurement).
-def _merge_fp32_into_copy_batches(batches: dict[tuple[torch.device, bool, bool], FusedBatch]) -> list[FusedBatch]:
-    for device in {device for device, _, _ in batches}:
-        with_copy, without = batches.get((device, True, False)), batches.get((device, False, False))
-        if with_copy is None or without is None:
-            continue
-        if any(t.dtype != torch.float32 for t in without.params):
-            continue  # a half param without a master cannot have a model copy: two calls
-        with_copy.owners += without.owners
-        with_copy.params += without.params
-        with_copy.grads += without.grads
-        for name in with_copy.states:
-            with_copy.states[name] += without.states[name]
-            with_copy.absmaxes[name] += without.absmaxes[name]
-        with_copy.model_params += without.params
-        with_copy.new_state += without.new_state
-        del batches[(device, False, False)]
-    return list(batches.values())
-
-
-def _laid_out_like(value: Tensor, param: Tensor) -> Tensor:
-    # The ops walk a param and its state in memory order, so they must share strides; a
-    # checkpoint saved from a contiguous model may be loaded into a channels_last one (once, at load).
-    if value.shape == param.shape and value.stride() != param.stride() and not is_dtensor(value):
-        return torch.empty_like(param, dtype=value.dtype).copy_(value)
-    return value

@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from .._dtensor import is_dtensor, local_tensor
-from .state_formats import StateLayout, dequantize, quantize, storage_dtype
+from . import _state_storage as storage
+from .state_formats import StateLayout, dequantize, join_master, quantize, split_master, storage_dtype
 
 __all__ = ["convert_state", "fp32_state_dict", "torch_adamw_state_dict"]
 
@@ -133,6 +134,57 @@ def torch_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
             if step is not None and "step" not in state:
                 state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().reshape(()).cpu()
     return converted
+
+
+def adopt_loaded_state(state: dict[str, Any], param: Tensor, group: dict[str, Any], stored: dict[str, Tensor], *,
+                       keys: tuple[str, ...], nonnegative: frozenset[str], keeps_master: bool,
+                       keeps_remainder: bool) -> None:
+    """``param``'s loaded ``state`` in the formats its group asks for (FusedOptimizer.load_state_dict).
+
+    ``stored``: the loaded tensors as saved (torch's load cast them to the param's dtype).
+    """
+    for key, value in stored.items():
+        state[key] = value.to(param.device)
+    with torch.no_grad():
+        _convert_masters(state, param, keeps_master, keeps_remainder)
+    target = state.get("master_param", param)
+    if keeps_master or param.dtype == torch.float32:
+        target = target if target.dtype == torch.float32 else param.detach().float()
+    target = _laid_out_like(target, param)
+    layout: Any = _UNDECIDED
+    for key in keys:
+        if key not in state:
+            continue
+        if layout is _UNDECIDED:
+            layout = storage.layout_of(param, target, group, keeps_remainder)
+        codes, absmax = convert_state(_laid_out_like(state[key], param), state.pop(storage.absmax_key(key), None),
+                                      layout, key in nonnegative, target)
+        state[key] = codes
+        if absmax is not None:
+            state[storage.absmax_key(key)] = absmax
+    if "master_param" in state:
+        state["master_param"] = _laid_out_like(state["master_param"], param)
+
+
+_UNDECIDED = object()
+
+
+def _convert_masters(state: dict[str, Any], param: Tensor, keeps_master: bool, keeps_remainder: bool) -> None:
+    # A checkpoint of master_weights=True loaded with "remainder" (and back): the same exact master.
+    if keeps_remainder and "master_param" in state:
+        weight, remainder = split_master(state.pop("master_param").float())
+        param.copy_(weight)
+        state["master_remainder"] = remainder
+    elif keeps_master and "master_remainder" in state and param.dtype == torch.bfloat16:
+        state["master_param"] = join_master(param.detach(), state.pop("master_remainder"))
+
+
+def _laid_out_like(value: Tensor, param: Tensor) -> Tensor:
+    # The ops walk a param and its state in memory order, so they must share strides; a
+    # checkpoint saved from a contiguous model may be loaded into a channels_last one (once, at load).
+    if value.shape == param.shape and value.stride() != param.stride() and not is_dtensor(value):
+        return torch.empty_like(param, dtype=value.dtype).copy_(value)
+    return value
 
 
 def _dequantized(codes: Tensor, absmax: Optional[Tensor]) -> Tensor:
