@@ -414,7 +414,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Load a state saved by ``state_dict()`` (also the matching ``torch.optim`` optimizer's layout).
 
         A state stored in another format than this optimizer's param groups ask for (another
-        ``state_precision``, block size, or torch's fp32) is converted to it
+        ``state_precision``, block size, or torch's fp32) is converted to it (the groups keep
+        their own ``state_precision``, ``state_block_size`` and ``min_quantized_numel``)
         (apex_amp/optimizers/state_conversion.py gives the error bound); masters saved as fp32
         copies become remainders under ``master_weights="remainder"`` and back (load the model's
         weights first: a remainder is the low half of the master whose high half is the weight).
@@ -425,8 +426,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         stored = {index: {key: value for key, value in state_dict["state"].get(index, {}).items()
                           if key != "step" and isinstance(value, Tensor)}
                   for index in saved_ids}
+        # The state is converted to this optimizer's formats: its groups' precision settings win
+        # over the checkpoint's (torch's load takes every group key from the checkpoint).
+        configured = [{key: group[key] for key in storage.PRECISION_KEYS} for group in self.param_groups]
         super().load_state_dict(state_dict)
         self._batch_plans = {}
+        for group, settings in zip(self.param_groups, configured):
+            group.update(settings)
         for group in self.param_groups:  # a torch.optim state may lack some of our group keys
             for key in self._group_keys:
                 group.setdefault(key, self.defaults[key])
