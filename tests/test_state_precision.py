@@ -96,3 +96,144 @@ def test_a_group_added_later_is_validated_too():
     optimizer = FusedAdam(model[0].parameters())
     with pytest.raises(ValueError, match="state_precision must be one of"):
         optimizer.add_param_group({"params": model[2].parameters(), "state_precision": "fp4"})
+
+
+# ---- the state a step makes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", sorted(STORAGE))
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_state_is_stored_as_the_layout_of_the_global_shape_says(name, precision):
+    factory, keys = FAMILY[name]
+    model = make_model()
+    optimizer = factory(model.parameters(), state_precision=precision)
+    run(optimizer, model, steps=1)
+    big = model[0].weight
+    for key, nonnegative in keys.items():
+        codes = optimizer.state[big][key]
+        assert codes.dtype == STORAGE[precision][nonnegative]
+        assert codes.shape == big.shape and codes.stride() == big.stride()
+        absmax = optimizer.state[big].get(key + "_absmax")
+        if precision in ("fp8", "int8"):  # 64 rows of 128: one 128-element block per row
+            assert absmax.dtype == torch.float32 and absmax.shape == (64, 1)
+            # Each row's absmax is its block's largest magnitude (exactly map[-1] = 1 times it for int8).
+            largest = dequantize(codes, absmax).abs().amax(dim=1, keepdim=True)
+            torch.testing.assert_close(largest, absmax, rtol=0 if precision == "int8" else 1e-6, atol=0)
+        else:
+            assert absmax is None
+        for small in (model[0].bias, model[2].weight, model[2].bias):
+            assert optimizer.state[small][key].dtype == torch.float32
+            assert key + "_absmax" not in optimizer.state[small]
+
+
+def test_each_param_group_keeps_its_own_precision_and_block_size():
+    model = make_model()
+    optimizer = FusedAdam([{"params": [model[0].weight], "state_precision": "int8", "state_block_size": 32},
+                           {"params": [model[0].bias, model[2].weight, model[2].bias]}],
+                          lr=1e-2, state_precision="bf16", min_quantized_numel=100)
+    run(optimizer, model, steps=1)
+    assert optimizer.state[model[0].weight]["exp_avg_absmax"].shape == (64, 4)   # 32-element blocks
+    assert optimizer.state[model[2].weight]["exp_avg"].dtype == torch.bfloat16   # 256 >= 100
+    assert optimizer.state[model[2].bias]["exp_avg"].dtype == torch.float32      # 4 < 100
+
+
+def test_a_param_whose_rows_are_not_outermost_in_memory_keeps_fp32_state():
+    # A transposed weight: blocks in memory order would cross rows (and FSDP2's row shards).
+    weight = nn.Parameter(torch.randn(128, 64).t())
+    weight.grad = torch.randn(128, 64).t()
+    optimizer = FusedAdam([weight], state_precision="int8")
+    optimizer.step()
+    state = optimizer.state[weight]
+    assert state["exp_avg"].dtype == torch.float32 and state["exp_avg"].stride() == weight.stride()
+    assert "exp_avg_absmax" not in state
+
+
+@pytest.mark.parametrize("precision, state_bytes", [
+    ("fp32", 8.0), ("bf16", 4.0), ("fp8", 2 * (1 + 4 / 256)), ("int8", 2 * (1 + 4 / 256))])
+def test_adam_state_bytes_per_parameter(precision, state_bytes):
+    model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False))
+    optimizer = FusedAdam(model.parameters(), state_precision=precision)
+    model(torch.randn(2, 512)).sum().backward()
+    optimizer.step()
+    held = sum(t.nbytes for p in model.parameters() for t in optimizer.state[p].values())
+    assert held / sum(p.numel() for p in model.parameters()) == pytest.approx(state_bytes, rel=1e-12)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_a_step_is_the_fp32_step_on_the_dequantized_state_then_quantized(name, precision):
+    # The contract of the ops, seen through the optimizers: the quantized step equals an fp32 step
+    # from the dequantized state (same backend), whose new state quantized is the stored one.
+    from apex_amp.optimizers.state_conversion import fp32_state_dict
+
+    factory, keys = FAMILY[name]
+    model = make_model()
+    quantized = factory(model.parameters(), state_precision=precision)
+    run(quantized, model, steps=2)
+    twin = make_model()
+    twin.load_state_dict(model.state_dict())
+    reference = factory(twin.parameters())
+    reference.load_state_dict(fp32_state_dict(quantized.state_dict()))
+    run(quantized, model, steps=1, seed=5)
+    run(reference, twin, steps=1, seed=5)
+    big, twin_big = model[0].weight, twin[0].weight
+    for key in keys:
+        codes, absmax = quantized.state[big][key], quantized.state[big].get(key + "_absmax")
+        expected_codes, expected_absmax = quantize(reference.state[twin_big][key], codes.dtype,
+                                                   None if absmax is None else 128)
+        assert torch.equal(codes.view(torch.uint8) if codes.element_size() == 1 else codes,
+                           expected_codes.view(torch.uint8) if codes.element_size() == 1 else expected_codes)
+        assert absmax is None or torch.equal(absmax, expected_absmax)
+    if "LAMB" in name or "Lamb" in name:  # the trust ratio's direction is recomputed from the stored moments
+        torch.testing.assert_close(big, twin_big, rtol=1e-3, atol=1e-4)
+    else:
+        assert torch.equal(big, twin_big)
+
+
+def test_a_skipped_step_changes_no_code_and_no_absmax():
+    model = make_model()
+    optimizer = FusedAdam(model.parameters(), lr=1e-2, state_precision="int8")
+    run(optimizer, model, steps=2)
+    before = {key: value.clone() for key, value in optimizer.state[model[0].weight].items()}
+    run(optimizer, model, steps=1, found_inf_at=(0,))
+    for key, value in optimizer.state[model[0].weight].items():
+        assert torch.equal(value.view(torch.uint8) if value.element_size() == 1 else value,
+                           before[key].view(torch.uint8) if value.element_size() == 1 else before[key])
+
+
+def test_a_cached_plan_follows_an_absmax_replaced_in_the_state():
+    model = make_model()
+    optimizer = FusedAdam(model.parameters(), lr=1e-2, state_precision="int8")
+    run(optimizer, model, steps=2)  # the second step reused the first one's batches
+    state = optimizer.state[model[0].weight]
+    replaced = state["exp_avg_sq_absmax"] = state["exp_avg_sq_absmax"].clone()
+    before = replaced.clone()
+    run(optimizer, model, steps=1, seed=3)
+    assert state["exp_avg_sq_absmax"] is replaced and not torch.equal(replaced, before)
+
+
+def test_an_fsdp2_param_gets_the_layout_of_its_global_shape_and_sharded_absmaxes(process_group):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    model = make_model()
+    fully_shard(model)
+    optimizer = FusedAdam(model.parameters(), lr=1e-2, state_precision="int8")
+    run(optimizer, model, steps=2)
+    state = optimizer.state[model[0].weight]
+    absmax = state["exp_avg_absmax"]
+    assert isinstance(absmax, DTensor) and absmax.shape == (64, 1) and absmax.placements == (Shard(0),)
+    assert state["exp_avg"].to_local().dtype == torch.int8
+    assert optimizer.state[model[2].weight]["exp_avg"].dtype == torch.float32
+
+
+def test_a_column_sharded_dtensor_is_refused_for_blocked_state(process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    weight = nn.Parameter(distribute_tensor(torch.randn(64, 128), mesh, [Shard(1)]))
+    weight.grad = distribute_tensor(torch.randn(64, 128), mesh, [Shard(1)])
+    optimizer = FusedAdam([weight], state_precision="int8")
+    with pytest.raises(ValueError, match="sharded on dim 0 only"):
+        optimizer.step()

@@ -105,13 +105,18 @@ def fp32_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     return converted
 
 
-def torch_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+def torch_adamw_state_dict(state_dict: dict[str, Any], *, decoupled_weight_decay: bool = True) -> dict[str, Any]:
     """A FusedAdam ``state_dict()`` (any ``state_precision``) as ``torch.optim.AdamW`` loads it.
 
     The states in fp32 (:func:`fp32_state_dict`), the group's step count copied into each
-    param's state (torch keeps one per param), ``decoupled_weight_decay=True`` in each group
-    (AdamW; FusedAdam's ``adam_w_mode``, which its state_dict does not hold), and the fp32
-    masters and remainders dropped (torch.optim keeps none: the model's weights are what it updates).
+    param's state (torch keeps one per param), ``decoupled_weight_decay`` in each group, and the
+    fp32 masters and remainders dropped (torch.optim keeps none: the model's weights are what it
+    updates).
+
+    Args:
+        state_dict: a FusedAdam's ``state_dict()``.
+        decoupled_weight_decay: FusedAdam's ``adam_w_mode``, which its state_dict does not hold
+            (False for ``adam_w_mode=False``, to load into ``torch.optim.Adam``).
 
     Example::
 
@@ -124,7 +129,7 @@ def torch_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     converted = fp32_state_dict(state_dict)
     for group in converted["param_groups"]:
         step = group.pop("step", None)
-        group["decoupled_weight_decay"] = True
+        group["decoupled_weight_decay"] = bool(decoupled_weight_decay)
         for index in group["params"]:
             state = converted["state"].get(index)
             if state is None:
