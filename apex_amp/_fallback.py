@@ -211,9 +211,9 @@ def l2norm(tensors: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
     return total, norms if per_tensor else norms.new_empty(0)
 
 
-# ---- fused_adam_ ----------------------------------------------------------------------------
+# ---- what the fused optimizers' ops share ------------------------------------------------
 def step_taken(found_inf: Optional[Tensor]) -> Union[bool, Tensor]:
-    """Whether fused_adam_ takes its step: a bool when known without a sync, else a device mask."""
+    """Whether a fused optimizer op takes its step: a bool when known without a sync, else a device mask."""
     if found_inf is None:
         return True
     if found_inf.device.type == "cpu":
@@ -228,96 +228,6 @@ def commit(dst: list[Tensor], values: list[Tensor], taken: Union[bool, Tensor]) 
     else:
         # Skipped on the device: write every element back unchanged, bit for bit.
         _write(dst, [torch.where(taken, v.to(d.dtype), d) for v, d in zip(values, dst)])
-
-
-def _adam_step_scalars(
-    step_after: Tensor, lr: float, beta1: float, beta2: float, bias_correction: bool
-) -> tuple[Union[float, Tensor], Union[float, Tensor]]:
-    """(step_size, sqrt(1 - beta2^step)) as in amp_math.h's make_adam_step_params."""
-    if not bias_correction:
-        return f32(lr), 1.0
-    # In float64 on the step's device (beta^step loses all precision in fp32), then fp32.
-    step = step_after.reshape(()).double()
-    bias_correction1 = 1.0 - torch.pow(f32(beta1), step)
-    bias_correction2 = 1.0 - torch.pow(f32(beta2), step)
-    return (f32(lr) / bias_correction1).float(), bias_correction2.sqrt().float()
-
-
-def _adam_math(params, grads, exp_avgs, exp_avg_sqs, inv_scale, step_size, bc2_sqrt, hyper):
-    """amp_math.h's adam_update on whole lists, in fp32, same order of operations."""
-    lr, beta1, beta2, eps, weight_decay, adamw_mode = hyper
-    grad = unscaled_fp32(grads, inv_scale)
-    param, exp_avg, exp_avg_sq = as_fp32(params), as_fp32(exp_avgs), as_fp32(exp_avg_sqs)
-    if weight_decay != 0.0:
-        if adamw_mode:
-            param = torch._foreach_mul(param, f32(1.0 - f32(lr * weight_decay)))
-        else:
-            grad = torch._foreach_add(grad, torch._foreach_mul(param, weight_decay))
-    exp_avg = torch._foreach_add(
-        torch._foreach_mul(exp_avg, beta1), torch._foreach_mul(grad, f32(1.0 - beta1))
-    )
-    exp_avg_sq = torch._foreach_add(
-        torch._foreach_mul(exp_avg_sq, beta2),
-        torch._foreach_mul(torch._foreach_mul(grad, f32(1.0 - beta2)), grad),
-    )
-    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(exp_avg_sq), bc2_sqrt), eps)
-    param = torch._foreach_sub(param, torch._foreach_div(torch._foreach_mul(exp_avg, step_size), denom))
-    return param, exp_avg, exp_avg_sq
-
-
-def _fake_fused_adam(
-    params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-    weight_decay, adamw_mode, bias_correction, inv_scale=None, found_inf=None,
-) -> None:
-    op, device = "fused_adam_", step.device
-    check.fused_step(op, device, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
-                     model_params, inv_scale, found_inf)
-    check.scalars(op, device, step=step)
-    check.adam_numbers(op, lr, beta1, beta2, eps, weight_decay)
-
-
-@define("fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "step"),
-        fake=_fake_fused_adam)
-def fused_adam_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    model_params: list[Tensor],
-    step: Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
-    bias_correction: bool,
-    inv_scale: Optional[Tensor] = None,
-    found_inf: Optional[Tensor] = None,
-) -> None:
-    _fake_fused_adam(
-        params, grads, exp_avgs, exp_avg_sqs, model_params, step,
-        lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, inv_scale, found_inf,
-    )
-    check.fused_memory("fused_adam_", params, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, model_params)
-    taken = step_taken(found_inf)
-    if taken is False:
-        return
-    step_after = step + 1.0
-    if params:
-        grads, exp_avgs, exp_avg_sqs, model_params = (
-            shaped_like(tensors, params) for tensors in (grads, exp_avgs, exp_avg_sqs, model_params)
-        )
-        step_size, bc2_sqrt = _adam_step_scalars(step_after, lr, beta1, beta2, bias_correction)
-        hyper = tuple(f32(h) for h in (lr, beta1, beta2, eps, weight_decay)) + (adamw_mode,)
-        param, exp_avg, exp_avg_sq = _adam_math(
-            params, grads, exp_avgs, exp_avg_sqs, inv_scale, step_size, bc2_sqrt, hyper
-        )
-        commit(params, param, taken)
-        commit(exp_avgs, exp_avg, taken)
-        commit(exp_avg_sqs, exp_avg_sq, taken)
-        commit(model_params, param, taken)
-    commit([step], [step_after], taken)
 
 
 # ---- update_scale_ --------------------------------------------------------------------------

@@ -37,7 +37,9 @@ Example::
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+import inspect
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -94,12 +96,45 @@ def backend_namespace(backend: Optional[str] = None):
 _ops = backend_namespace()
 
 
+# The fused optimizer ops' state operands (docs/kernels.md, "State operands"): lists that
+# torch.library cannot make optional, so the derived wrappers take them as keywords, default ().
+STATE_OPERANDS = ("master_remainders", "state_absmaxes")
+
+
 def __getattr__(name: str):
     # An op with no hand-written wrapper below (the fused optimizers' ops): the op of the backend in
-    # use, called with the arguments of its definition (apex_amp/_op_registry.py).
+    # use, called with the arguments of its definition (apex_amp/_op_registry.py), the state
+    # operands (if it has them) as keyword arguments.
     if name in OPS:
-        return getattr(_ops, name)
+        return _derived_wrapper(name)
     raise AttributeError(f"module 'apex_amp.ops' has no attribute {name!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _derived_wrapper(name: str) -> Callable:
+    op = getattr(_ops, name)
+    definition = inspect.signature(OPS[name].fallback)
+    names = list(definition.parameters)
+    if not all(operand in names for operand in STATE_OPERANDS):
+        return op
+    # The definition's signature without the state operands, which come last as keyword-only ().
+    public = definition.replace(parameters=[
+        *(p for p in definition.parameters.values() if p.name not in STATE_OPERANDS),
+        *(inspect.Parameter(operand, inspect.Parameter.KEYWORD_ONLY, default=()) for operand in STATE_OPERANDS),
+    ])
+
+    def wrapper(*args, **kwargs):
+        bound = public.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = bound.arguments
+        return op(*(list(values[n]) if n in STATE_OPERANDS else values[n] for n in names))
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__signature__ = public
+    wrapper.__doc__ = (f"``torch.ops.apex_amp.{name}`` on the backend in use; ``master_remainders`` and "
+                       "``state_absmaxes`` (keyword-only, default empty) are its state operands.\n\n"
+                       + (OPS[name].fallback.__doc__ or ""))
+    return wrapper
 
 
 def check_finite(tensors: Sequence[Tensor], found_inf: Tensor) -> None:
@@ -238,14 +273,18 @@ def fused_adam_(
     model_params: Sequence[Tensor] = (),
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    master_remainders: Sequence[Tensor] = (),
+    state_absmaxes: Sequence[Tensor] = (),
 ) -> None:
     """One Adam or AdamW step over whole lists of tensors, one pass per element.
 
     Args:
-        params: weights to update: fp32 masters, or the same dtype as ``grads``.
+        params: weights to update: fp32 masters, bf16 weights with ``master_remainders``, or
+            the same dtype as ``grads``.
         grads: gradients (fp32/fp16/bf16); multiplied by ``inv_scale`` when given.
-        exp_avgs: first moments, same dtype as ``params``, updated in place.
-        exp_avg_sqs: second moments, same dtype as ``params``, updated in place.
+        exp_avgs: first moments, updated in place: the dtype of ``params``, or for fp32 and
+            remainder masters any state format (fp32, bf16, fp8 e4m3, int8; docs/kernels.md).
+        exp_avg_sqs: second moments, likewise (int8 format: uint8 codes).
         step: one-element float32 step counter, incremented by the op (unless skipped);
             bias correction uses the incremented value.
         lr: learning rate.
@@ -259,6 +298,10 @@ def fused_adam_(
             updated ``params`` in the same pass (O2's model copy).
         inv_scale: one-element float32 factor applied to the grads (fused unscale).
         found_inf: one-element float32 flag; when non-zero the op changes nothing.
+        master_remainders: empty, or one int16 tensor per bf16 param: the low 16 bits that make
+            ``params[i]`` an exact fp32 master (state_formats.join_master), rewritten by the step.
+        state_absmaxes: empty when no state is blocked (fp8/int8), else one fp32 tensor per
+            state and param, ``exp_avgs``' first: one absmax per block, empty for fp32/bf16 states.
 
     Example::
 
@@ -281,6 +324,8 @@ def fused_adam_(
         list(exp_avgs),
         list(exp_avg_sqs),
         list(model_params),
+        list(master_remainders),
+        list(state_absmaxes),
         step,
         float(lr),
         float(beta1),

@@ -101,7 +101,7 @@ def adam_cases(ops, shapes, copies, gen, deepspeed) -> list[Case]:
         params, grads = make_list(shapes, torch.float32, "param", gen), make_list(shapes, torch.float32, "grad", gen)
         m, v = make_list(shapes, torch.float32, "zeros", gen), make_list(shapes, torch.float32, "zeros", gen)
         step = torch.zeros(1)
-        return lambda: ops.fused_adam_(params, grads, m, v, [], step, LR, *BETAS, EPS, WEIGHT_DECAY,
+        return lambda: ops.fused_adam_(params, grads, m, v, [], [], [], step, LR, *BETAS, EPS, WEIGHT_DECAY,
                                        True, True, None, None)
 
     def torch_optimizer(**flags):
@@ -195,7 +195,7 @@ def o2_cases(ops, shapes, copies, gen, half_dtype, deepspeed=(None, "not request
         def o2_step():
             found_inf.zero_()
             ops.check_finite(grads, found_inf)
-            ops.fused_adam_(masters, grads, m, v, model, step, LR, *BETAS, EPS, WEIGHT_DECAY, True, True,
+            ops.fused_adam_(masters, grads, m, v, model, [], [], step, LR, *BETAS, EPS, WEIGHT_DECAY, True, True,
                             next_inv_scale(), found_inf)
         return o2_step
 
@@ -294,13 +294,13 @@ def in_cache_calls(ops, section, dtype, gen) -> tuple[Callable[[], object], Call
 
         def adam():
             for _ in range(CALLS_PER_SAMPLE):
-                ops.fused_adam_(*tensors, step, LR, *BETAS, EPS, WEIGHT_DECAY, True, True, None, None)
+                ops.fused_adam_(*tensors, [], [], step, LR, *BETAS, EPS, WEIGHT_DECAY, True, True, None, None)
 
         def o2_step():
             for _ in range(CALLS_PER_SAMPLE):
                 found_inf.zero_()
                 ops.check_finite(tensors[1], found_inf)
-                ops.fused_adam_(*tensors, step, LR, *BETAS, EPS, WEIGHT_DECAY, True, True, inv_scale, found_inf)
+                ops.fused_adam_(*tensors, [], [], step, LR, *BETAS, EPS, WEIGHT_DECAY, True, True, inv_scale, found_inf)
         return adam if section == "adam" else o2_step
 
     small, large = 4096, 28672
@@ -408,18 +408,18 @@ def family_cases(ops, shapes, copies, gen, name) -> list[Case]:
     def apex_call():
         params, grads, state = lists()
         if name == "sgd":
-            return lambda: ops.fused_sgd_(params, grads, state, [], LR, 0.9, 0.0, WEIGHT_DECAY, False, False, False,
+            return lambda: ops.fused_sgd_(params, grads, state, [], [], [], LR, 0.9, 0.0, WEIGHT_DECAY, False, False, False,
                                           None, None)
         if name == "adagrad":
-            return lambda: ops.fused_adagrad_(params, grads, state, [], LR, 1e-10, WEIGHT_DECAY, False, None, None)
+            return lambda: ops.fused_adagrad_(params, grads, state, [], [], [], LR, 1e-10, WEIGHT_DECAY, False, None, None)
         step = torch.zeros(1)
         if name == "novograd":
             norms = [torch.full((1,), -1.0) for _ in params]
-            return lambda: ops.fused_novograd_(params, grads, state, norms, [], step, LR, 0.95, 0.98, EPS,
+            return lambda: ops.fused_novograd_(params, grads, state, norms, [], [], [], step, LR, 0.95, 0.98, EPS,
                                                WEIGHT_DECAY, True, True, False, 2, None, None)
         exp_avg_sqs = make_list(shapes, torch.float32, "zeros", gen)
         grad_norm = torch.stack(torch._foreach_norm(grads)).norm().reshape(1)
-        return lambda: ops.fused_lamb_(params, grads, state, exp_avg_sqs, [], step, grad_norm, LR, *BETAS, EPS,
+        return lambda: ops.fused_lamb_(params, grads, state, exp_avg_sqs, [], [], [], step, grad_norm, LR, *BETAS, EPS,
                                        WEIGHT_DECAY, True, True, True, 1.0, False, None, None)
 
     def peer_call():

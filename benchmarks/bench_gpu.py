@@ -136,7 +136,7 @@ def kernel_rows(shapes, device: torch.device, timer: Timer) -> list[dict]:
         def apex_o2():
             found_inf.zero_()
             ops.check_finite(grads, found_inf)
-            ops.fused_adam_(masters, grads, m, v, model, step, LR, *BETAS, EPS, WEIGHT_DECAY, True, True,
+            ops.fused_adam_(masters, grads, m, v, model, [], [], step, LR, *BETAS, EPS, WEIGHT_DECAY, True, True,
                             inv_scale, found_inf)
 
         t_model = tensors(shapes, half, device, "param", 1)
@@ -169,7 +169,7 @@ def kernel_rows(shapes, device: torch.device, timer: Timer) -> list[dict]:
     t_adam.step()
     t_state = [t_adam.state[p] for p in t_params]
     row("fp32 AdamW op", 28,
-        lambda: ops.fused_adam_(params, grads32, m32, v32, [], step32, LR, *BETAS, EPS, WEIGHT_DECAY, True, True,
+        lambda: ops.fused_adam_(params, grads32, m32, v32, [], [], [], step32, LR, *BETAS, EPS, WEIGHT_DECAY, True, True,
                                 None, None),
         "torch._fused_adamw_",
         lambda: torch._fused_adamw_(t_params, [p.grad for p in t_params], [s["exp_avg"] for s in t_state],

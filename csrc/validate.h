@@ -86,55 +86,181 @@ inline void validate_l2norm(at::TensorList tensors, const at::Device& device) {
 
 // ---- fused optimizer steps -------------------------------------------------
 // What every fused optimizer op shares: params (updated), grads, the
-// per-element state lists of its rule (updated, the dtype of the params), an
-// optional model copy, the optional flags; and the dtype combinations, per
-// index i:
-//   params[i] fp32 (master weights): grads[i] fp32, fp16 or bf16; model_params
-//     empty, or model_params[i] fp16, bf16 or fp32;
-//   params[i] fp16 or bf16: grads[i] of the same dtype, no model_params;
-//   each state list's [i]: the dtype of params[i].
+// per-element state lists of its rule (updated), an optional model copy, the
+// state operands (master_remainders, state_absmaxes), the optional flags; and
+// the dtype combinations, per index i:
+//   params[i] fp32, or bf16 with master_remainders[i] (fp32 masters): grads[i]
+//     fp32, fp16 or bf16; model_params empty, or (fp32 params only)
+//     model_params[i] fp16, bf16 or fp32; each state in a state format
+//     (kStateFormatDtypes: fp32, bf16, fp8 e4m3, int8 or uint8 codes);
+//   params[i] fp16 or bf16 without remainder: grads[i] and each state of the
+//     same dtype, no model_params.
+// master_remainders: empty, or one int16 tensor per bf16 param, with its sizes
+// and strides (the low halves of the fp32 masters; no model_params then).
+// state_absmaxes: empty when no state is blocked, else one fp32 contiguous
+// tensor per state and param, state-list-major (k * params.size() + i): numel
+// 0 for an fp32/bf16 state, numel / B for an fp8/int8/uint8 one, B (the
+// tensor's block) a power of two in [kMinStateBlock, kMaxStateBlock].
 struct NamedList {
   const char* name;
   at::TensorList list;
 };
+
+constexpr std::initializer_list<at::ScalarType> kStateFormatDtypes = {
+    at::kFloat, at::kBFloat16, at::kFloat8_e4m3fn, at::kChar, at::kByte};
+// Every dtype a state may have: a format, or fp16 (the state of fp16 params).
+constexpr std::initializer_list<at::ScalarType> kStateDtypes = {
+    at::kFloat, at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kChar, at::kByte};
+constexpr int64_t kMinStateBlock = 32;
+constexpr int64_t kMaxStateBlock = 4096;
+
+// fp8 and int8/uint8 states keep one fp32 absmax per block.
+inline bool is_blocked_state(at::ScalarType dtype) {
+  return dtype == at::kFloat8_e4m3fn || dtype == at::kChar || dtype == at::kByte;
+}
+
+// Whether params[i] is an fp32 master (fp32 itself, or bf16 with its remainder).
+inline bool has_master(at::TensorList params, at::TensorList master_remainders, size_t i) {
+  return params[i].scalar_type() == at::kFloat || !master_remainders.empty();
+}
 
 inline void check_fused_dtypes(
     const char* op,
     at::TensorList params,
     at::TensorList grads,
     std::initializer_list<NamedList> states,
-    at::TensorList model_params) {
+    at::TensorList model_params,
+    at::TensorList master_remainders) {
   const bool has_model_params = !model_params.empty();
   for (size_t i = 0; i < params.size(); ++i) {
-    const at::ScalarType param_dtype = params[i].scalar_type();
-    if (param_dtype != at::kFloat) {
-      TORCH_CHECK(
-          grads[i].scalar_type() == param_dtype, "apex_amp.", op, ": grads[", i, "] has dtype ",
-          grads[i].scalar_type(), " but params[", i, "] is ", param_dtype,
-          "; fp16/bf16 params need grads of the same dtype (or keep fp32 master params)");
-      TORCH_CHECK(
-          !has_model_params, "apex_amp.", op, ": model_params[", i, "] was given but params[", i,
-          "] is ", param_dtype,
-          "; a model copy is written only from fp32 master params, pass model_params=[] "
-          "or fp32 params");
+    if (has_master(params, master_remainders, i)) {
+      for (const NamedList& state : states) {
+        TORCH_CHECK(
+            dtype_in(state.list[i].scalar_type(), kStateFormatDtypes), "apex_amp.", op, ": ", state.name, "[",
+            i, "] has dtype ", state.list[i].scalar_type(), "; the state of an fp32 master (params[", i,
+            "]) is one of ", dtype_names(kStateFormatDtypes));
+      }
+      continue;  // grads were checked against the floating dtypes
     }
+    const at::ScalarType param_dtype = params[i].scalar_type();
+    TORCH_CHECK(
+        grads[i].scalar_type() == param_dtype, "apex_amp.", op, ": grads[", i, "] has dtype ",
+        grads[i].scalar_type(), " but params[", i, "] is ", param_dtype,
+        "; fp16/bf16 params need grads of the same dtype (or keep fp32 master params)");
+    TORCH_CHECK(
+        !has_model_params, "apex_amp.", op, ": model_params[", i, "] was given but params[", i,
+        "] is ", param_dtype,
+        "; a model copy is written only from fp32 master params, pass model_params=[] "
+        "or fp32 params");
     for (const NamedList& state : states) {
       TORCH_CHECK(
           state.list[i].scalar_type() == param_dtype, "apex_amp.", op, ": ", state.name, "[", i,
           "] has dtype ", state.list[i].scalar_type(), "; expected ", param_dtype,
-          ", the dtype of params[", i, "]");
+          ", the dtype of params[", i, "] (other state formats need fp32 or remainder masters)");
     }
   }
 }
 
-// Lists, devices, layouts, memory and dtypes of one fused step, and its
-// optional flags. `step` is validated by the ops that count steps.
+inline void check_master_remainders(
+    const char* op,
+    at::TensorList params,
+    at::TensorList master_remainders,
+    at::TensorList model_params,
+    const at::Device& device) {
+  if (master_remainders.empty()) {
+    return;
+  }
+  check_same_length(op, "params", params, "master_remainders", master_remainders);
+  check_tensor_list(op, "master_remainders", master_remainders, device, {at::kShort});
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(
+        params[i].scalar_type() == at::kBFloat16, "apex_amp.", op, ": master_remainders[", i,
+        "] was given for ", params[i].scalar_type(), " params[", i,
+        "]; a remainder completes a bf16 weight to its fp32 master (fp16 is not the high half of fp32)");
+    TORCH_CHECK(
+        master_remainders[i].sizes() == params[i].sizes() &&
+            same_memory_order(params[i], master_remainders[i]),
+        "apex_amp.", op, ": master_remainders[", i, "] (sizes ", master_remainders[i].sizes(),
+        ", strides ", master_remainders[i].strides(), ") must have the sizes and strides of params[", i,
+        "]; make it with torch.empty_like(params[", i, "], dtype=torch.int16)");
+  }
+  TORCH_CHECK(
+      model_params.empty(), "apex_amp.", op,
+      ": model_params was given with master_remainders; the bf16 params are the model weights "
+      "themselves, pass model_params=[]");
+}
+
+inline bool is_block_count(int64_t numel, int64_t blocks) {
+  if (blocks == 0 || numel % blocks != 0) {
+    return false;
+  }
+  const int64_t block = numel / blocks;
+  return block >= kMinStateBlock && block <= kMaxStateBlock && (block & (block - 1)) == 0;
+}
+
+inline void check_state_absmaxes(
+    const char* op,
+    std::initializer_list<NamedList> states,
+    at::TensorList state_absmaxes,
+    const at::Device& device) {
+  size_t count = 0;
+  for (const NamedList& state : states) {
+    count += state.list.size();
+  }
+  if (state_absmaxes.empty()) {
+    for (const NamedList& state : states) {
+      for (size_t i = 0; i < state.list.size(); ++i) {
+        TORCH_CHECK(
+            !is_blocked_state(state.list[i].scalar_type()), "apex_amp.", op,
+            ": state_absmaxes is empty but ", state.name, "[", i, "] is ", state.list[i].scalar_type(),
+            ", a blocked format; pass one fp32 absmax tensor per state and param (", count,
+            " in all, state-list-major)");
+      }
+    }
+    return;
+  }
+  TORCH_CHECK(
+      state_absmaxes.size() == count, "apex_amp.", op, ": state_absmaxes holds ", state_absmaxes.size(),
+      " tensors; expected one per state and param, ", count, " (", states.size(), " state lists)");
+  check_tensor_list(op, "state_absmaxes", state_absmaxes, device, {at::kFloat});
+  size_t index = 0;
+  for (const NamedList& state : states) {
+    for (size_t i = 0; i < state.list.size(); ++i, ++index) {
+      const at::Tensor& absmax = state_absmaxes[index];
+      const at::Tensor& values = state.list[i];
+      TORCH_CHECK(
+          absmax.is_contiguous(), "apex_amp.", op, ": state_absmaxes[", index, "] (of ", state.name, "[",
+          i, "]) must be contiguous; pass state_absmaxes[", index, "].contiguous()");
+      if (!is_blocked_state(values.scalar_type())) {
+        TORCH_CHECK(
+            absmax.numel() == 0, "apex_amp.", op, ": state_absmaxes[", index, "] (of ", state.name, "[", i,
+            "]) holds ", absmax.numel(), " elements but ", state.name, "[", i, "] is ", values.scalar_type(),
+            ", which keeps no absmax; pass an empty fp32 tensor");
+      } else if (values.numel() == 0) {
+        TORCH_CHECK(
+            absmax.numel() == 0, "apex_amp.", op, ": state_absmaxes[", index, "] (of ", state.name, "[", i,
+            "]) holds ", absmax.numel(), " elements but ", state.name, "[", i, "] is empty");
+      } else {
+        TORCH_CHECK(
+            is_block_count(values.numel(), absmax.numel()), "apex_amp.", op, ": state_absmaxes[", index,
+            "] (of ", state.name, "[", i, "]) holds ", absmax.numel(), " elements for the ", values.numel(),
+            " of ", state.name, "[", i, "]; a blocked state keeps one absmax per block of B elements, B a "
+            "power of two in [", kMinStateBlock, ", ", kMaxStateBlock, "] dividing its numel");
+      }
+    }
+  }
+}
+
+// Lists, devices, layouts, memory and dtypes of one fused step, its state
+// operands and its optional flags. `step` is validated by the ops that count steps.
 inline void validate_fused_step(
     const char* op,
     at::TensorList params,
     at::TensorList grads,
     std::initializer_list<NamedList> states,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf,
     const at::Device& device) {
@@ -149,7 +275,7 @@ inline void validate_fused_step(
   check_tensor_list(op, "params", params, device);
   check_tensor_list(op, "grads", grads, device);
   for (const NamedList& state : states) {
-    check_tensor_list(op, state.name, state.list, device);
+    check_tensor_list(op, state.name, state.list, device, kStateDtypes);
   }
   check_tensor_list(op, "model_params", model_params, device);
   check_disjoint_within(op, "params", params);
@@ -157,14 +283,24 @@ inline void validate_fused_step(
     check_disjoint_within(op, state.name, state.list);
   }
   check_disjoint_within(op, "model_params", model_params);
-  check_fused_dtypes(op, params, grads, states, model_params);
   check_corresponding(op, "params", params, "grads", grads);
   for (const NamedList& state : states) {
     check_corresponding(op, "params", params, state.name, state.list);
   }
+  if (has_model_params) {
+    check_corresponding(op, "params", params, "model_params", model_params);
+  }
+  check_master_remainders(op, params, master_remainders, model_params, device);
+  check_fused_dtypes(op, params, grads, states, model_params, master_remainders);
+  check_state_absmaxes(op, states, state_absmaxes, device);
+  check_disjoint_within(op, "master_remainders", master_remainders);
+  check_disjoint_within(op, "state_absmaxes", state_absmaxes);
   // Tensors written element by element must not share memory.
   std::vector<NamedList> written{{"params", params}};
   written.insert(written.end(), states.begin(), states.end());
+  if (!master_remainders.empty()) {
+    written.push_back({"master_remainders", master_remainders});
+  }
   for (size_t a = 0; a < written.size(); ++a) {
     for (size_t b = a + 1; b < written.size(); ++b) {
       for (size_t i = 0; i < params.size(); ++i) {
@@ -175,8 +311,17 @@ inline void validate_fused_step(
       }
     }
   }
+  // state_absmaxes[k * n + i] belongs to param i: disjoint from what the step writes for it.
+  for (size_t k = 0; k < state_absmaxes.size(); ++k) {
+    const size_t i = k % params.size();
+    for (const NamedList& list : written) {
+      TORCH_CHECK(
+          at::get_overlap_status(state_absmaxes[k], list.list[i]) == at::MemOverlapStatus::No, "apex_amp.",
+          op, ": state_absmaxes[", k, "] and ", list.name, "[", i,
+          "] share memory; give each blocked state its own absmax tensor");
+    }
+  }
   if (has_model_params) {
-    check_corresponding(op, "params", params, "model_params", model_params);
     // An fp32 model_params[i] may be params[i] itself (a redundant write).
     check_no_partial_overlap(op, "params", params, "model_params", model_params);
   }
@@ -186,6 +331,39 @@ inline void validate_fused_step(
   if (found_inf.has_value()) {
     check_scalar_tensor(op, "found_inf", *found_inf, device);
   }
+}
+
+// Whether a step uses state formats or remainder masters (anything beyond
+// states of their params' dtype): what a backend without those kernels refuses.
+inline bool uses_state_formats(
+    at::TensorList params,
+    std::initializer_list<NamedList> states,
+    at::TensorList master_remainders) {
+  if (!master_remainders.empty()) {
+    return true;
+  }
+  for (const NamedList& state : states) {
+    for (size_t i = 0; i < state.list.size(); ++i) {
+      if (state.list[i].scalar_type() != params[i].scalar_type()) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// The refusal of a backend that has no kernels for state formats yet.
+inline void refuse_state_formats(
+    const char* op,
+    const char* backend,
+    at::TensorList params,
+    std::initializer_list<NamedList> states,
+    at::TensorList master_remainders) {
+  TORCH_CHECK(
+      !uses_state_formats(params, states, master_remainders), "apex_amp.", op,
+      ": low-precision optimizer state (bf16, fp8, int8) and remainder masters on ", backend,
+      " not yet: its kernels take states of their params' dtype only and no master_remainders; "
+      "keep state_precision='fp32' and fp32 masters there, or run this step on the CPU");
 }
 
 // A host number of an op; `in_range` is written so that NaN makes it false.
@@ -204,6 +382,8 @@ inline void validate_fused_adam(
     at::TensorList exp_avgs,
     at::TensorList exp_avg_sqs,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     const at::Tensor& step,
     double lr,
     double beta1,
@@ -216,7 +396,7 @@ inline void validate_fused_adam(
   constexpr const char* op = "fused_adam_";
   validate_fused_step(
       op, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, model_params,
-      inv_scale, found_inf, device);
+      master_remainders, state_absmaxes, inv_scale, found_inf, device);
   check_scalar_tensor(op, "step", step, device);
   check_number(op, "lr", lr, lr >= 0.0, ">= 0");
   check_betas(op, beta1, beta2);
@@ -230,6 +410,8 @@ inline void validate_fused_sgd(
     at::TensorList grads,
     at::TensorList momentum_buffers,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     double lr,
     double momentum,
     double dampening,
@@ -240,11 +422,13 @@ inline void validate_fused_sgd(
     const at::Device& device) {
   constexpr const char* op = "fused_sgd_";
   if (momentum_buffers.empty()) {
-    validate_fused_step(op, params, grads, {}, model_params, inv_scale, found_inf, device);
+    validate_fused_step(
+        op, params, grads, {}, model_params, master_remainders, state_absmaxes, inv_scale, found_inf,
+        device);
   } else {
     validate_fused_step(
-        op, params, grads, {{"momentum_buffers", momentum_buffers}}, model_params, inv_scale,
-        found_inf, device);
+        op, params, grads, {{"momentum_buffers", momentum_buffers}}, model_params, master_remainders,
+        state_absmaxes, inv_scale, found_inf, device);
   }
   check_number(op, "lr", lr, lr >= 0.0, ">= 0");
   check_number(op, "momentum", momentum, momentum >= 0.0, ">= 0");
@@ -264,6 +448,8 @@ inline void validate_fused_adagrad(
     at::TensorList grads,
     at::TensorList state_sums,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     double lr,
     double eps,
     double weight_decay,
@@ -272,7 +458,8 @@ inline void validate_fused_adagrad(
     const at::Device& device) {
   constexpr const char* op = "fused_adagrad_";
   validate_fused_step(
-      op, params, grads, {{"state_sums", state_sums}}, model_params, inv_scale, found_inf, device);
+      op, params, grads, {{"state_sums", state_sums}}, model_params, master_remainders, state_absmaxes,
+      inv_scale, found_inf, device);
   check_number(op, "lr", lr, lr >= 0.0, ">= 0");
   check_number(op, "eps", eps, eps >= 0.0, ">= 0");
   check_number(op, "weight_decay", weight_decay, weight_decay >= 0.0, ">= 0");
@@ -286,6 +473,8 @@ inline void validate_fused_novograd(
     at::TensorList exp_avgs,
     at::TensorList exp_avg_sqs,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     const at::Tensor& step,
     double lr,
     double beta1,
@@ -298,7 +487,8 @@ inline void validate_fused_novograd(
     const at::Device& device) {
   constexpr const char* op = "fused_novograd_";
   validate_fused_step(
-      op, params, grads, {{"exp_avgs", exp_avgs}}, model_params, inv_scale, found_inf, device);
+      op, params, grads, {{"exp_avgs", exp_avgs}}, model_params, master_remainders, state_absmaxes,
+      inv_scale, found_inf, device);
   check_same_length(op, "params", params, "exp_avg_sqs", exp_avg_sqs);
   for (size_t i = 0; i < exp_avg_sqs.size(); ++i) {
     const std::string name = "exp_avg_sqs[" + std::to_string(i) + "]";
@@ -321,6 +511,8 @@ inline void validate_fused_lamb(
     at::TensorList exp_avgs,
     at::TensorList exp_avg_sqs,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     const at::Tensor& step,
     const at::Tensor& grad_norm,
     double lr,
@@ -335,7 +527,7 @@ inline void validate_fused_lamb(
   constexpr const char* op = "fused_lamb_";
   validate_fused_step(
       op, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, model_params,
-      inv_scale, found_inf, device);
+      master_remainders, state_absmaxes, inv_scale, found_inf, device);
   check_scalar_tensor(op, "step", step, device);
   check_scalar_tensor(op, "grad_norm", grad_norm, device);
   check_number(op, "lr", lr, lr >= 0.0, ">= 0");

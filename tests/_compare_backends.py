@@ -82,7 +82,7 @@ def adam_run(namespace, param_dtype, grad_dtype, model_dtype, adamw_mode):
         grads = tensors(grad_dtype, 64.0)
         hyper = (1e-2, 0.9, 0.999, 1e-8, 0.01, adamw_mode, True)
         namespace.fused_adam_(
-            params, grads, exp_avgs, exp_avg_sqs, model_params, step, *hyper, flag(1 / 64), flag()
+            params, grads, exp_avgs, exp_avg_sqs, model_params, [], [], step, *hyper, flag(1 / 64), flag()
         )
     return params + exp_avgs + exp_avg_sqs + model_params
 

@@ -99,7 +99,7 @@ def fused_adam_steps() -> bool:
         for param, grad in zip(params, grads):
             param.grad = grad.to(device.NAME)
         optimizer.step()
-        torch.ops.apex_amp_fallback.fused_adam_(masters, grads, *moments, [], step, 0.1, 0.9, 0.999, 1e-8, 0.01,
+        torch.ops.apex_amp_fallback.fused_adam_(masters, grads, *moments, [], [], [], step, 0.1, 0.9, 0.999, 1e-8, 0.01,
                                                 True, True, None, None)
     return same(params, masters)
 

@@ -36,7 +36,7 @@ def _adam_args(params=None, grads=None, exp_avgs=None, exp_avg_sqs=None, model_p
     exp_avgs = [torch.zeros_like(p) for p in params] if exp_avgs is None else exp_avgs
     exp_avg_sqs = [torch.zeros_like(p) for p in params] if exp_avg_sqs is None else exp_avg_sqs
     step = torch.zeros(1) if step is None else step
-    return (params, grads, exp_avgs, exp_avg_sqs, list(model_params), step, 1e-3, 0.9, 0.999, 1e-8, 0.0,
+    return (params, grads, exp_avgs, exp_avg_sqs, list(model_params), [], [], step, 1e-3, 0.9, 0.999, 1e-8, 0.0,
             True, True, torch.full((1,), 0.5), _flag())
 
 
@@ -145,7 +145,7 @@ def test_op_lists_may_mix_dtypes_and_scale_may_write_in_place(amp_ops):
         assert torch.equal(grad.float(), _t(n) * 0.5)
     # fp32 masters with bf16 grads and a bf16 model copy: the O2 layout.
     master, model_copy = [_t(4)], [_t(4, dtype=BF16)]
-    amp_ops.fused_adam_(master, [_t(4, dtype=BF16)], [torch.zeros(4)], [torch.zeros(4)], model_copy,
+    amp_ops.fused_adam_(master, [_t(4, dtype=BF16)], [torch.zeros(4)], [torch.zeros(4)], model_copy, [], [],
                         torch.zeros(1), 0.1, 0.9, 0.999, 1e-8, 0.0, True, True, None, _flag())
     assert torch.equal(model_copy[0], master[0].to(BF16)) and not torch.equal(master[0], _t(4))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import _reference as ref
-from apex_amp import _fallback
+from apex_amp.optimizers import fused_adam
 
 SIZES = (1, 33, 1031, 7, 0)
 # Over 100 fp32 steps the kernels and torch.optim round in slightly different
@@ -32,7 +32,7 @@ class AdamState:
         self.step = torch.zeros(1, device=params[0].device)
 
     def run(self, amp_ops, grads, cfg, inv_scale=None, found_inf=None):
-        tensors = (self.params, grads, self.exp_avgs, self.exp_avg_sqs, self.model_params, self.step)
+        tensors = (self.params, grads, self.exp_avgs, self.exp_avg_sqs, self.model_params, [], [], self.step)
         amp_ops.fused_adam_(*tensors, *cfg.op_args(), inv_scale, found_inf)
 
     def snapshot(self):
@@ -212,7 +212,7 @@ def test_found_inf_zero_takes_the_same_step_as_no_found_inf(amp_ops, device):
 def test_fallback_skip_decided_on_the_device_is_also_bitwise_a_no_op(monkeypatch):
     # On CUDA the fallback cannot read found_inf without a sync, so it masks
     # every write instead; force that path on CPU and check both outcomes.
-    monkeypatch.setattr(_fallback, "step_taken", lambda found_inf: found_inf.reshape(()) == 0)
+    monkeypatch.setattr(fused_adam, "step_taken", lambda found_inf: found_inf.reshape(()) == 0)
     amp_ops = torch.ops.apex_amp_fallback
     cfg = ref.AdamConfig(lr=1e-2, weight_decay=0.1)
     initial = ref.random_tensors((1031, 1), [torch.float32], seed=61, device="cpu")
@@ -229,7 +229,7 @@ def test_fallback_skip_decided_on_the_device_is_also_bitwise_a_no_op(monkeypatch
 
 def test_fused_adam_with_empty_lists_only_counts_the_step(amp_ops):
     step = torch.zeros(1)
-    amp_ops.fused_adam_([], [], [], [], [], step, *ref.AdamConfig().op_args())
+    amp_ops.fused_adam_([], [], [], [], [], [], [], step, *ref.AdamConfig().op_args())
     assert step.item() == 1.0
 
 

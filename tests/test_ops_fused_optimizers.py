@@ -81,7 +81,7 @@ class Sgd(Harness):
 
     def call(self, amp_ops, grads, inv_scale=None, found_inf=None):
         o = self.options
-        amp_ops.fused_sgd_(self.params, grads, self.states.get("momentum_buffers", []), self.model_params,
+        amp_ops.fused_sgd_(self.params, grads, self.states.get("momentum_buffers", []), self.model_params, [], [],
                            o["lr"], o["momentum"], o["dampening"], o["weight_decay"], o["nesterov"],
                            self.steps_taken == 0, o["wd_after_momentum"], inv_scale, found_inf)
 
@@ -96,7 +96,7 @@ class Adagrad(Harness):
 
     def call(self, amp_ops, grads, inv_scale=None, found_inf=None):
         o = self.options
-        amp_ops.fused_adagrad_(self.params, grads, self.states["state_sums"], self.model_params, o["lr"],
+        amp_ops.fused_adagrad_(self.params, grads, self.states["state_sums"], self.model_params, [], [], o["lr"],
                                o["eps"], o["weight_decay"], o["adagrad_w_mode"], inv_scale, found_inf)
 
     def reference(self, grads):
@@ -118,7 +118,7 @@ class NovoGrad(Harness):
 
     def call(self, amp_ops, grads, inv_scale=None, found_inf=None):
         o = self.options
-        amp_ops.fused_novograd_(self.params, grads, self.states["exp_avgs"], self.moments, self.model_params,
+        amp_ops.fused_novograd_(self.params, grads, self.states["exp_avgs"], self.moments, self.model_params, [], [],
                                 self.step, o["lr"], o["beta1"], o["beta2"], o["eps"], o["weight_decay"],
                                 o["bias_correction"], o["grad_averaging"], o["reg_inside_moment"], o["norm_type"],
                                 inv_scale, found_inf)
@@ -143,7 +143,7 @@ class Lamb(Harness):
         # The optimizer hands the op the norm of the gradients as they are (still scaled).
         grad_norm = ref.flag(ref.l2norm(grads)[0], self.params[0].device)
         amp_ops.fused_lamb_(self.params, grads, self.states["exp_avgs"], self.states["exp_avg_sqs"],
-                            self.model_params, self.step, grad_norm, o["lr"], o["beta1"], o["beta2"], o["eps"],
+                            self.model_params, [], [], self.step, grad_norm, o["lr"], o["beta1"], o["beta2"], o["eps"],
                             o["weight_decay"], o["bias_correction"], o["grad_averaging"], o["adam_w_mode"],
                             o["max_grad_norm"], o["use_nvlamb"], inv_scale, found_inf)
 

@@ -139,7 +139,7 @@ def _adam_run(amp_ops, params, grads, model_dtype, steps=3):
     step = torch.zeros(1, device=params[0].device)
     cfg = ref.AdamConfig(lr=1e-2, weight_decay=0.01)
     for _ in range(steps):
-        amp_ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, step, *cfg.op_args(),
+        amp_ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, [], [], step, *cfg.op_args(),
                             ref.flag(0.5, step.device), ref.flag(0.0, step.device))
     return params + exp_avgs + exp_avg_sqs + model_params
 
@@ -174,6 +174,6 @@ def test_contiguous_tensors_of_different_shapes_pair_in_row_major_order(amp_ops)
     params, grads = [torch.ones(2, 4)], [torch.arange(8.0)]
     reference_params = [torch.ones(8)]
     for p, g in ((params, grads), (reference_params, grads)):
-        amp_ops.fused_adam_(p, g, [torch.zeros_like(p[0])], [torch.zeros_like(p[0])], [], torch.zeros(1),
+        amp_ops.fused_adam_(p, g, [torch.zeros_like(p[0])], [torch.zeros_like(p[0])], [], [], [], torch.zeros(1),
                             *ref.AdamConfig(lr=0.1).op_args(), None, None)
     assert torch.equal(params[0].reshape(-1), reference_params[0])

@@ -72,7 +72,7 @@ def _step(ops, masters, grads, models, *, pieces):
         calls = [[[t[0][:SPLIT]] for t in lists], [[t[0][SPLIT:]] for t in lists], [t[1:] for t in lists]]
     for call in calls:
         step = torch.zeros(1)
-        ops.fused_adam_(*call, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, True, ref.flag(0.5), ref.flag())
+        ops.fused_adam_(*call, [], [], step, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, True, ref.flag(0.5), ref.flag())
     return [t.view(torch.uint8) if t.dtype != torch.float32 else t.view(torch.int32)
             for t in (*masters, *exp_avgs, *exp_avg_sqs, *models)]
 

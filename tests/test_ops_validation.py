@@ -41,7 +41,8 @@ def _same_tensors(name_a, name_b):
     return {name_a: shared, name_b: shared}
 
 
-def _adam(amp_ops, params=None, grads=None, exp_avgs=None, exp_avg_sqs=None, model_params=(), step=None, **kwargs):
+def _adam(amp_ops, params=None, grads=None, exp_avgs=None, exp_avg_sqs=None, model_params=(), step=None,
+          master_remainders=(), state_absmaxes=(), **kwargs):
     params = [_t(4), _t(3)] if params is None else params
     grads = [torch.ones_like(p) for p in params] if grads is None else grads
     exp_avgs = [torch.zeros_like(p) for p in params] if exp_avgs is None else exp_avgs
@@ -49,7 +50,7 @@ def _adam(amp_ops, params=None, grads=None, exp_avgs=None, exp_avg_sqs=None, mod
     step = torch.zeros(1) if step is None else step
     hyper = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
     hyper.update({k: kwargs.pop(k) for k in list(kwargs) if k in hyper})
-    tensors = (params, grads, exp_avgs, exp_avg_sqs, list(model_params), step)
+    tensors = (params, grads, exp_avgs, exp_avg_sqs, list(model_params), list(master_remainders), list(state_absmaxes), step)
     flags = (True, True)  # adamw_mode, bias_correction
     amp_ops.fused_adam_(*tensors, *hyper.values(), *flags, kwargs.get("inv_scale"), kwargs.get("found_inf"))
 
@@ -79,7 +80,7 @@ def _sgd(amp_ops, params=None, momentum_buffers=None, momentum=0.9, model_params
     buffers = [torch.zeros_like(p) for p in params] if momentum_buffers is None else momentum_buffers
     h = {"lr": 0.1, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False}
     h.update(hyper)
-    amp_ops.fused_sgd_(params, [torch.ones_like(p) for p in params], buffers, list(model_params), h["lr"], momentum,
+    amp_ops.fused_sgd_(params, [torch.ones_like(p) for p in params], buffers, list(model_params), [], [], h["lr"], momentum,
                        h["dampening"], h["weight_decay"], h["nesterov"], False, False)
 
 
@@ -88,7 +89,7 @@ def _adagrad(amp_ops, state_sums=None, **hyper):
     sums = [torch.zeros_like(p) for p in params] if state_sums is None else state_sums
     h = {"lr": 0.1, "eps": 1e-10, "weight_decay": 0.0}
     h.update(hyper)
-    amp_ops.fused_adagrad_(params, [torch.ones_like(p) for p in params], sums, [], *h.values(), False)
+    amp_ops.fused_adagrad_(params, [torch.ones_like(p) for p in params], sums, [], [], [], *h.values(), False)
 
 
 def _novograd(amp_ops, exp_avg_sqs=None, norm_type=2, **hyper):
@@ -97,7 +98,7 @@ def _novograd(amp_ops, exp_avg_sqs=None, norm_type=2, **hyper):
     h = {"lr": 0.1, "beta1": 0.9, "beta2": 0.98, "eps": 1e-8, "weight_decay": 0.0}
     h.update(hyper)
     amp_ops.fused_novograd_(params, [torch.ones_like(p) for p in params], [torch.zeros_like(p) for p in params],
-                            moments, [], torch.zeros(1), *h.values(), True, True, False, norm_type)
+                            moments, [], [], [], torch.zeros(1), *h.values(), True, True, False, norm_type)
 
 
 def _lamb(amp_ops, exp_avg_sqs=None, grad_norm=None, **hyper):
@@ -107,7 +108,7 @@ def _lamb(amp_ops, exp_avg_sqs=None, grad_norm=None, **hyper):
     h.update({k: hyper.pop(k) for k in list(hyper) if k in h})
     max_grad_norm = hyper.pop("max_grad_norm", 1.0)
     amp_ops.fused_lamb_(params, [torch.ones_like(p) for p in params], [torch.zeros_like(p) for p in params], sqs,
-                        [], torch.zeros(1), torch.ones(1) if grad_norm is None else grad_norm, *h.values(),
+                        [], [], [], torch.zeros(1), torch.ones(1) if grad_norm is None else grad_norm, *h.values(),
                         True, True, True, max_grad_norm, False)
 
 
@@ -182,7 +183,7 @@ CASES = [
     ("adam-grads-float64", lambda o: _adam(o, grads=[_t(4), _t(3, dtype=torch.float64)]), "fused_adam_", "grads[1]"),
     ("adam-grads-numel", lambda o: _adam(o, grads=[_t(4), _t(5)]), "fused_adam_", "grads[1]"),
     ("adam-moment-dtype", lambda o: _adam(o, exp_avgs=[_t(4, dtype=F16), _t(3)]), "fused_adam_", "exp_avgs[0]"),
-    ("adam-moment-sq-dtype", lambda o: _adam(o, exp_avg_sqs=[_t(4), _t(3, dtype=BF16)]),
+    ("adam-moment-sq-dtype", lambda o: _adam(o, exp_avg_sqs=[_t(4), _t(3, dtype=F16)]),
      "fused_adam_", "exp_avg_sqs[1]"),
     ("adam-low-precision-grad-dtype", lambda o: _adam(o, params=[_t(4, dtype=BF16)], grads=[_t(4, dtype=F16)]),
      "fused_adam_", "grads[0]"),
@@ -247,13 +248,94 @@ CASES = [
      "fused_novograd_", "exp_avg_sqs[1]"),
     ("novograd-norm_type", lambda o: _novograd(o, norm_type=1), "fused_novograd_", "norm_type"),
     ("novograd-beta2", lambda o: _novograd(o, beta2=1.0), "fused_novograd_", "beta2"),
-    ("lamb-sq-dtype", lambda o: _lamb(o, exp_avg_sqs=[_t(4), _t(3, dtype=BF16)]), "fused_lamb_", "exp_avg_sqs[1]"),
+    ("lamb-sq-dtype", lambda o: _lamb(o, exp_avg_sqs=[_t(4), _t(3, dtype=F16)]), "fused_lamb_", "exp_avg_sqs[1]"),
     ("lamb-grad_norm-numel", lambda o: _lamb(o, grad_norm=torch.ones(2)), "fused_lamb_", "grad_norm"),
     ("lamb-max_grad_norm", lambda o: _lamb(o, max_grad_norm=0.0), "fused_lamb_", "max_grad_norm"),
 ]
 
 
-@pytest.mark.parametrize(("call", "op", "argument"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+I8, U8, FP8, I16 = torch.int8, torch.uint8, torch.float8_e4m3fn, torch.int16
+
+
+def _codes(dtype, *shape):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+def _blocked_adam(amp_ops, absmaxes=None, **kwargs):
+    """Adam over one (2, 64) fp32 param with int8/uint8 moments of 32-element blocks (4 absmaxes each)."""
+    params = [_t(2, 64)]
+    absmaxes = [torch.zeros(4), torch.zeros(4)] if absmaxes is None else absmaxes
+    _adam(amp_ops, **{"params": params, "exp_avgs": [_codes(I8, 2, 64)], "exp_avg_sqs": [_codes(U8, 2, 64)],
+                      "state_absmaxes": absmaxes, **kwargs})
+
+
+def _remainder_adam(amp_ops, **kwargs):
+    params = [_t(2, 64, dtype=BF16)]
+    _adam(amp_ops, **{"params": params, "grads": [_t(2, 64)], "exp_avgs": [_t(2, 64)], "exp_avg_sqs": [_t(2, 64)],
+                      "master_remainders": [_codes(I16, 2, 64)], **kwargs})
+
+
+# (id, call(amp_ops), the op, the argument its error must name): the state operands.
+STATE_OPERAND_CASES = [
+    ("absmaxes-missing", lambda o: _blocked_adam(o, absmaxes=[]), "fused_adam_", "state_absmaxes"),
+    ("absmaxes-count", lambda o: _blocked_adam(o, absmaxes=[torch.zeros(4)]), "fused_adam_", "state_absmaxes"),
+    ("absmaxes-block-not-a-power-of-two", lambda o: _blocked_adam(o, absmaxes=[torch.zeros(4), torch.zeros(3)]),
+     "fused_adam_", "state_absmaxes[1]"),
+    ("absmaxes-block-too-small", lambda o: _blocked_adam(o, absmaxes=[torch.zeros(8), torch.zeros(4)]),
+     "fused_adam_", "state_absmaxes[0]"),
+    ("absmaxes-block-too-large", lambda o: _blocked_adam(
+        o, params=[_t(2, 8192)], exp_avgs=[_codes(I8, 2, 8192)], exp_avg_sqs=[_codes(U8, 2, 8192)],
+        absmaxes=[torch.zeros(4), torch.zeros(2)]), "fused_adam_", "state_absmaxes[1]"),
+    ("absmaxes-dtype", lambda o: _blocked_adam(o, absmaxes=[torch.zeros(4, dtype=F16), torch.zeros(4)]),
+     "fused_adam_", "state_absmaxes[0]"),
+    ("absmaxes-not-contiguous", lambda o: _blocked_adam(o, absmaxes=[torch.zeros(2, 2).t(), torch.zeros(4)]),
+     "fused_adam_", "state_absmaxes[0]"),
+    ("absmaxes-for-an-fp32-state", lambda o: _adam(o, params=[_t(64)], state_absmaxes=[torch.zeros(2),
+                                                                                      torch.zeros(0)]),
+     "fused_adam_", "state_absmaxes[0]"),
+    ("absmaxes-device", lambda o: _blocked_adam(o, absmaxes=[torch.zeros(4), torch.zeros(4, device="meta")]),
+     "fused_adam_", "state_absmaxes[1]"),
+    ("absmaxes-shared", lambda o: _shared_absmax(o), "fused_adam_", "state_absmaxes[1]"),
+    ("int16-state", lambda o: _adam(o, exp_avgs=[_codes(I16, 4), _t(3)]), "fused_adam_", "exp_avgs[0]"),
+    ("int8-state-of-bf16-params", lambda o: _adam(o, params=[_t(64, dtype=BF16)], grads=[_t(64, dtype=BF16)],
+                                                  exp_avgs=[_codes(I8, 64)], exp_avg_sqs=[_t(64, dtype=BF16)],
+                                                  state_absmaxes=[torch.zeros(2), torch.zeros(0)]),
+     "fused_adam_", "exp_avgs[0]"),
+    ("remainder-of-fp32-params", lambda o: _remainder_adam(o, params=[_t(2, 64)]), "fused_adam_",
+     "master_remainders[0]"),
+    ("remainder-of-fp16-params", lambda o: _remainder_adam(o, params=[_t(2, 64, dtype=F16)]), "fused_adam_",
+     "master_remainders[0]"),
+    ("remainder-dtype", lambda o: _remainder_adam(o, master_remainders=[_codes(torch.int32, 2, 64)]),
+     "fused_adam_", "master_remainders[0]"),
+    ("remainder-shape", lambda o: _remainder_adam(o, master_remainders=[_codes(I16, 128)]), "fused_adam_",
+     "master_remainders[0]"),
+    ("remainder-count", lambda o: _remainder_adam(o, master_remainders=[_codes(I16, 2, 64)] * 2), "fused_adam_",
+     "master_remainders"),
+    ("remainder-with-model-copy", lambda o: _remainder_adam(o, model_params=[_t(2, 64, dtype=BF16)]),
+     "fused_adam_", "model_params"),
+    ("remainder-is-the-param", lambda o: _remainder_alias(o), "fused_adam_", "master_remainders[0]"),
+    ("sgd-absmaxes-without-momentum", lambda o: _sgd_plain_with_absmaxes(o), "fused_sgd_", "state_absmaxes"),
+]
+
+
+def _shared_absmax(amp_ops):
+    # Both absmaxes are one tensor: the op would write it twice.
+    shared = torch.zeros(4)
+    _blocked_adam(amp_ops, absmaxes=[shared, shared])
+
+
+def _remainder_alias(amp_ops):
+    params = [_t(2, 64, dtype=BF16)]
+    _remainder_adam(amp_ops, params=params, master_remainders=[params[0].view(I16)])
+
+
+def _sgd_plain_with_absmaxes(amp_ops):
+    params = [_t(64)]
+    amp_ops.fused_sgd_(params, [_t(64)], [], [], [], [torch.zeros(2)], 0.1, 0.0, 0.0, 0.0, False, False, False)
+
+
+@pytest.mark.parametrize(("call", "op", "argument"), [case[1:] for case in CASES + STATE_OPERAND_CASES],
+                         ids=[case[0] for case in CASES + STATE_OPERAND_CASES])
 def test_bad_argument_raises_runtime_error_naming_it(amp_ops, call, op, argument):
     with raises_naming(op, argument):
         call(amp_ops)

@@ -14,8 +14,9 @@ from torch import Tensor
 
 from .. import _checks as check
 from .. import ops
-from .._fallback import as_fp32, commit, f32, shaped_like, step_taken, unscaled_fp32
+from .._fallback import f32, shaped_like, step_taken, unscaled_fp32
 from .._op_registry import define
+from ._state_operands import StepOperands
 from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer
 
 __all__ = ["FusedAdagrad"]
@@ -23,20 +24,24 @@ __all__ = ["FusedAdagrad"]
 _OP = "fused_adagrad_"
 
 
-def _fake_fused_adagrad(params, grads, state_sums, model_params, lr, eps, weight_decay, adagrad_w_mode,
-                        inv_scale=None, found_inf=None) -> None:
+def _fake_fused_adagrad(params, grads, state_sums, model_params, master_remainders, state_absmaxes, lr, eps,
+                        weight_decay, adagrad_w_mode, inv_scale=None, found_inf=None) -> None:
     device = check.device_of(*params, inv_scale, found_inf)
-    check.fused_step(_OP, device, params, grads, {"state_sums": state_sums}, model_params, inv_scale, found_inf)
+    check.fused_step(_OP, device, params, grads, {"state_sums": state_sums}, model_params, master_remainders,
+                     state_absmaxes, inv_scale, found_inf)
     check.host_numbers(_OP, lr=(lr, lr >= 0.0, ">= 0"), eps=(eps, eps >= 0.0, ">= 0"),
                        weight_decay=(weight_decay, weight_decay >= 0.0, ">= 0"))
 
 
-@define(_OP, mutates_args=("params", "state_sums", "model_params"), fake=_fake_fused_adagrad)
+@define(_OP, mutates_args=("params", "state_sums", "model_params", "master_remainders", "state_absmaxes"),
+        fake=_fake_fused_adagrad)
 def fused_adagrad_(
     params: list[Tensor],
     grads: list[Tensor],
     state_sums: list[Tensor],
     model_params: list[Tensor],
+    master_remainders: list[Tensor],
+    state_absmaxes: list[Tensor],
     lr: float,
     eps: float,
     weight_decay: float,
@@ -45,28 +50,30 @@ def fused_adagrad_(
     found_inf: Optional[Tensor] = None,
 ) -> None:
     """Adagrad over whole lists: grads unscaled by ``inv_scale``, ``state_sums`` += grad², weight decay
-    added to the gradient (L2) or to the update (``adagrad_w_mode``), the fp16/bf16 ``model_params``
-    written from the updated fp32 params; nothing changes when ``found_inf`` is non-zero."""
-    _fake_fused_adagrad(params, grads, state_sums, model_params, lr, eps, weight_decay, adagrad_w_mode,
-                        inv_scale, found_inf)
-    check.fused_memory(_OP, params, {"state_sums": state_sums}, model_params)
+    added to the gradient (L2) or to the update (``adagrad_w_mode``), the sums read and written in their
+    formats and the masters joined from and split into ``master_remainders``
+    (apex_amp/optimizers/_state_operands.py), the fp16/bf16 ``model_params`` written from the updated
+    fp32 params; nothing changes when ``found_inf`` is non-zero."""
+    _fake_fused_adagrad(params, grads, state_sums, model_params, master_remainders, state_absmaxes, lr, eps,
+                        weight_decay, adagrad_w_mode, inv_scale, found_inf)
+    check.fused_memory(_OP, params, {"state_sums": state_sums}, model_params, master_remainders, state_absmaxes)
     taken = step_taken(found_inf)
     if taken is False or not params:
         return
-    grads, state_sums, model_params = (shaped_like(t, params) for t in (grads, state_sums, model_params))
+    grads, model_params = (shaped_like(t, params) for t in (grads, model_params))
+    operands = StepOperands(params, [state_sums], master_remainders, state_absmaxes)
     lr, eps, weight_decay = f32(lr), f32(eps), f32(weight_decay)
     grad = unscaled_fp32(grads, inv_scale)
-    param = as_fp32(params)
+    param = operands.masters
     if not adagrad_w_mode:
         grad = torch._foreach_add(grad, torch._foreach_mul(param, weight_decay))
-    total = torch._foreach_add(as_fp32(state_sums), torch._foreach_mul(grad, grad))
+    total = torch._foreach_add(operands.states[0], torch._foreach_mul(grad, grad))
     update = torch._foreach_div(grad, torch._foreach_add(torch._foreach_sqrt(total), eps))
     if adagrad_w_mode:
         update = torch._foreach_add(update, torch._foreach_mul(param, weight_decay))
     param = torch._foreach_sub(param, torch._foreach_mul(update, lr))
-    commit(state_sums, total, taken)
-    commit(params, param, taken)
-    commit(model_params, param, taken)
+    operands.write_states(0, total, taken)
+    operands.write_masters(param, taken, model_params)
 
 
 class FusedAdagrad(FusedOptimizer):
@@ -135,4 +142,5 @@ class FusedAdagrad(FusedOptimizer):
             float(group["lr"]), float(group["eps"]), float(group["weight_decay"]), self.adagrad_w_mode,
             None if amp.inv_scale is None else amp.inv_scale.to(device),
             None if amp.found_inf is None else amp.found_inf.to(device),
+            master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
         )

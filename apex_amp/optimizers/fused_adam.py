@@ -1,13 +1,122 @@
-"""FusedAdam: Adam/AdamW with one ``fused_adam_`` op call per param group and device."""
+"""FusedAdam: Adam/AdamW with one ``fused_adam_`` op call per param group and device.
+
+The op is defined here, by its pure-PyTorch implementation (apex_amp/_op_registry.py); its
+math is amp_math.h's ``adam_update``, run by csrc/cpu/fused_adam_cpu.cpp and
+csrc/cuda/fused_adam_cuda.cu.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Optional, Union
 
+import torch
+from torch import Tensor
+
+from .. import _checks as check
 from .. import ops
+from .._fallback import as_fp32, commit, f32, step_taken, shaped_like, unscaled_fp32
+from .._op_registry import define
+from ._state_operands import StepOperands
 from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer
 
 __all__ = ["FusedAdam"]
+
+_OP = "fused_adam_"
+
+
+def _adam_step_scalars(
+    step_after: Tensor, lr: float, beta1: float, beta2: float, bias_correction: bool
+) -> tuple[Union[float, Tensor], Union[float, Tensor]]:
+    """(step_size, sqrt(1 - beta2^step)) as in amp_math.h's make_adam_step_params."""
+    if not bias_correction:
+        return f32(lr), 1.0
+    # In float64 on the step's device (beta^step loses all precision in fp32), then fp32.
+    step = step_after.reshape(()).double()
+    bias_correction1 = 1.0 - torch.pow(f32(beta1), step)
+    bias_correction2 = 1.0 - torch.pow(f32(beta2), step)
+    return (f32(lr) / bias_correction1).float(), bias_correction2.sqrt().float()
+
+
+def _adam_math(params, grads, exp_avgs, exp_avg_sqs, inv_scale, step_size, bc2_sqrt, hyper):
+    """amp_math.h's adam_update on whole lists, in fp32, same order of operations."""
+    lr, beta1, beta2, eps, weight_decay, adamw_mode = hyper
+    grad = unscaled_fp32(grads, inv_scale)
+    param, exp_avg, exp_avg_sq = as_fp32(params), as_fp32(exp_avgs), as_fp32(exp_avg_sqs)
+    if weight_decay != 0.0:
+        if adamw_mode:
+            param = torch._foreach_mul(param, f32(1.0 - f32(lr * weight_decay)))
+        else:
+            grad = torch._foreach_add(grad, torch._foreach_mul(param, weight_decay))
+    exp_avg = torch._foreach_add(
+        torch._foreach_mul(exp_avg, beta1), torch._foreach_mul(grad, f32(1.0 - beta1))
+    )
+    exp_avg_sq = torch._foreach_add(
+        torch._foreach_mul(exp_avg_sq, beta2),
+        torch._foreach_mul(torch._foreach_mul(grad, f32(1.0 - beta2)), grad),
+    )
+    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(exp_avg_sq), bc2_sqrt), eps)
+    param = torch._foreach_sub(param, torch._foreach_div(torch._foreach_mul(exp_avg, step_size), denom))
+    return param, exp_avg, exp_avg_sq
+
+
+def _fake_fused_adam(
+    params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step, lr, beta1,
+    beta2, eps, weight_decay, adamw_mode, bias_correction, inv_scale=None, found_inf=None,
+) -> None:
+    op, device = _OP, step.device
+    check.fused_step(op, device, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+                     model_params, master_remainders, state_absmaxes, inv_scale, found_inf)
+    check.scalars(op, device, step=step)
+    check.adam_numbers(op, lr, beta1, beta2, eps, weight_decay)
+
+
+@define(_OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "master_remainders",
+                           "state_absmaxes", "step"), fake=_fake_fused_adam)
+def fused_adam_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    model_params: list[Tensor],
+    master_remainders: list[Tensor],
+    state_absmaxes: list[Tensor],
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool,
+    bias_correction: bool,
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """Adam/AdamW over whole lists: grads unscaled by ``inv_scale``, the moments read and written in
+    their formats and the masters joined from and split into ``master_remainders``
+    (apex_amp/optimizers/_state_operands.py), the fp16/bf16 ``model_params`` written from the
+    updated fp32 params; ``step`` incremented first. Nothing changes when ``found_inf`` is non-zero."""
+    _fake_fused_adam(
+        params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
+        lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, inv_scale, found_inf,
+    )
+    check.fused_memory(_OP, params, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, model_params,
+                       master_remainders, state_absmaxes)
+    taken = step_taken(found_inf)
+    if taken is False:
+        return
+    step_after = step + 1.0
+    if params:
+        grads, model_params = (shaped_like(tensors, params) for tensors in (grads, model_params))
+        operands = StepOperands(params, [exp_avgs, exp_avg_sqs], master_remainders, state_absmaxes)
+        step_size, bc2_sqrt = _adam_step_scalars(step_after, lr, beta1, beta2, bias_correction)
+        hyper = tuple(f32(h) for h in (lr, beta1, beta2, eps, weight_decay)) + (adamw_mode,)
+        param, exp_avg, exp_avg_sq = _adam_math(
+            operands.masters, grads, *operands.states, inv_scale, step_size, bc2_sqrt, hyper
+        )
+        operands.write_masters(param, taken, model_params)
+        operands.write_states(0, exp_avg, taken)
+        operands.write_states(1, exp_avg_sq, taken)
+    commit([step], [step_after], taken)
 
 
 class FusedAdam(FusedOptimizer):
@@ -113,6 +222,7 @@ class FusedAdam(FusedOptimizer):
             lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"], adamw_mode=self.adam_w_mode,
             bias_correction=group["bias_correction"], model_params=batch.model_params,
+            master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
             inv_scale=None if amp.inv_scale is None else amp.inv_scale.to(device),
             found_inf=None if amp.found_inf is None else amp.found_inf.to(device),
         )

@@ -17,6 +17,7 @@ from .. import _checks as check
 from .. import ops
 from .._fallback import commit, f32, shaped_like, step_taken
 from .._op_registry import define
+from ._state_operands import StepOperands
 from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer, as_step
 
 __all__ = ["FusedLAMB", "FusedMixedPrecisionLamb"]
@@ -24,24 +25,27 @@ __all__ = ["FusedLAMB", "FusedMixedPrecisionLamb"]
 _OP = "fused_lamb_"
 
 
-def _fake_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, step, grad_norm, lr, beta1, beta2,
-                     eps, weight_decay, bias_correction, grad_averaging, adam_w_mode, max_grad_norm,
-                     use_nvlamb, inv_scale=None, found_inf=None) -> None:
+def _fake_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
+                     grad_norm, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, adam_w_mode,
+                     max_grad_norm, use_nvlamb, inv_scale=None, found_inf=None) -> None:
     device = step.device
     check.fused_step(_OP, device, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
-                     model_params, inv_scale, found_inf)
+                     model_params, master_remainders, state_absmaxes, inv_scale, found_inf)
     check.scalars(_OP, device, step=step, grad_norm=grad_norm)
     check.adam_numbers(_OP, lr, beta1, beta2, eps, weight_decay,
                        max_grad_norm=(max_grad_norm, max_grad_norm > 0.0, "> 0 (inf: no clipping)"))
 
 
-@define(_OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "step"), fake=_fake_fused_lamb)
+@define(_OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "master_remainders",
+                           "state_absmaxes", "step"), fake=_fake_fused_lamb)
 def fused_lamb_(
     params: list[Tensor],
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     model_params: list[Tensor],
+    master_remainders: list[Tensor],
+    state_absmaxes: list[Tensor],
     step: Tensor,
     grad_norm: Tensor,
     lr: float,
@@ -62,19 +66,21 @@ def fused_lamb_(
     when above it), Adam's moments, the update direction (plus decoupled decay in ``adam_w_mode``,
     L2 decay into the gradient otherwise), applied with lr times each tensor's trust ratio
     ||param|| / ||direction|| (when decay is on or ``use_nvlamb``); ``step`` incremented first, the
-    fp16/bf16 ``model_params`` written from the updated fp32 params. Nothing changes when
-    ``found_inf`` is non-zero."""
-    _fake_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, step, grad_norm, lr, beta1, beta2,
-                     eps, weight_decay, bias_correction, grad_averaging, adam_w_mode, max_grad_norm,
-                     use_nvlamb, inv_scale, found_inf)
-    check.fused_memory(_OP, params, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, model_params)
+    fp16/bf16 ``model_params`` written from the updated fp32 params. The moments are read and written
+    in their formats and the masters joined from and split into ``master_remainders``
+    (apex_amp/optimizers/_state_operands.py). Nothing changes when ``found_inf`` is non-zero."""
+    _fake_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
+                     grad_norm, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, adam_w_mode,
+                     max_grad_norm, use_nvlamb, inv_scale, found_inf)
+    check.fused_memory(_OP, params, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, model_params,
+                       master_remainders, state_absmaxes)
     taken = step_taken(found_inf)
     if taken is False:
         return
     step_after = step + 1.0
     if params:
-        grads, exp_avgs, exp_avg_sqs, model_params = (
-            shaped_like(t, params) for t in (grads, exp_avgs, exp_avg_sqs, model_params))
+        grads, model_params = (shaped_like(t, params) for t in (grads, model_params))
+        operands = StepOperands(params, [exp_avgs, exp_avg_sqs], master_remainders, state_absmaxes)
         lr, beta1, beta2, eps, weight_decay = (f32(v) for v in (lr, beta1, beta2, eps, weight_decay))
         beta3 = f32(1.0 - beta1) if grad_averaging else 1.0
         count = step_after.reshape(()).double()
@@ -85,15 +91,14 @@ def fused_lamb_(
         norm = grad_norm.reshape(()) * unscale
         clip = torch.where(norm > f32(max_grad_norm), norm / f32(max_grad_norm), ones)
         new_params, new_avgs, new_sqs = [], [], []
-        for i, param in enumerate(params):
-            p = param.float()
+        for i, p in enumerate(operands.masters):
             grad = grads[i].float() * unscale / clip
             if not adam_w_mode:
                 grad = grad + weight_decay * p
-            # The direction from the moments as stored (rounded to the state's dtype): the kernels'
-            # second pass recomputes it from them (amp_math.h: lamb_moments).
-            m = (exp_avgs[i].float() * beta1 + beta3 * grad).to(exp_avgs[i].dtype).float()
-            v = (exp_avg_sqs[i].float() * beta2 + f32(1.0 - beta2) * grad * grad).to(exp_avg_sqs[i].dtype).float()
+            # The direction from the moments as the kernels' second pass reads them: rounded to a
+            # legacy state's dtype, the fp32 values for the formats (StepOperands.as_stored).
+            m = operands.as_stored(0, i, operands.states[0][i] * beta1 + beta3 * grad)
+            v = operands.as_stored(1, i, operands.states[1][i] * beta2 + f32(1.0 - beta2) * grad * grad)
             direction = (m / bc1) / (torch.sqrt(v / bc2) + eps)
             if adam_w_mode:
                 direction = direction + weight_decay * p
@@ -105,10 +110,9 @@ def fused_lamb_(
             new_params.append(p - ratio * direction)
             new_avgs.append(m)
             new_sqs.append(v)
-        commit(exp_avgs, new_avgs, taken)
-        commit(exp_avg_sqs, new_sqs, taken)
-        commit(params, new_params, taken)
-        commit(model_params, new_params, taken)
+        operands.write_states(0, new_avgs, taken)
+        operands.write_states(1, new_sqs, taken)
+        operands.write_masters(new_params, taken, model_params)
     commit([step], [step_after], taken)
 
 
@@ -218,6 +222,7 @@ class FusedLAMB(FusedOptimizer):
             bool(group["grad_averaging"]), self.adam_w_mode, float(group["max_grad_norm"]), self.use_nvlamb,
             None if amp.inv_scale is None else amp.inv_scale.to(device),
             None if amp.found_inf is None else amp.found_inf.to(device),
+            master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
         )
 
 

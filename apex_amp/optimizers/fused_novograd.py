@@ -16,6 +16,7 @@ from .. import _checks as check
 from .. import ops
 from .._fallback import commit, f32, shaped_like, step_taken
 from .._op_registry import define
+from ._state_operands import StepOperands
 from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer
 
 __all__ = ["FusedNovoGrad"]
@@ -25,11 +26,12 @@ _OP = "fused_novograd_"
 _UNSEEN = -1.0
 
 
-def _fake_fused_novograd(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-                         weight_decay, bias_correction, grad_averaging, reg_inside_moment, norm_type,
-                         inv_scale=None, found_inf=None) -> None:
+def _fake_fused_novograd(params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes,
+                         step, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging,
+                         reg_inside_moment, norm_type, inv_scale=None, found_inf=None) -> None:
     device = step.device
-    check.fused_step(_OP, device, params, grads, {"exp_avgs": exp_avgs}, model_params, inv_scale, found_inf)
+    check.fused_step(_OP, device, params, grads, {"exp_avgs": exp_avgs}, model_params, master_remainders,
+                     state_absmaxes, inv_scale, found_inf)
     if len(exp_avg_sqs) != len(params):
         check.fail(_OP, f"params holds {len(params)} tensors but exp_avg_sqs holds {len(exp_avg_sqs)}; "
                         "pass one one-element second moment per param")
@@ -40,13 +42,16 @@ def _fake_fused_novograd(params, grads, exp_avgs, exp_avg_sqs, model_params, ste
                        norm_type=(norm_type, norm_type in (0, 2), "2 (L2) or 0 (L-infinity)"))
 
 
-@define(_OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "step"), fake=_fake_fused_novograd)
+@define(_OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "master_remainders",
+                           "state_absmaxes", "step"), fake=_fake_fused_novograd)
 def fused_novograd_(
     params: list[Tensor],
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     model_params: list[Tensor],
+    master_remainders: list[Tensor],
+    state_absmaxes: list[Tensor],
     step: Tensor,
     lr: float,
     beta1: float,
@@ -63,19 +68,22 @@ def fused_novograd_(
     """NovoGrad over whole lists: each tensor's unscaled gradient norm (L2, or L-infinity with
     ``norm_type`` 0) blended into its one-element second moment in ``exp_avg_sqs`` (negative: not
     yet seen, the norm taken as it is), then the first moments and params, the fp16/bf16
-    ``model_params`` written from the updated fp32 params; ``step`` incremented first. Nothing
-    changes when ``found_inf`` is non-zero."""
-    _fake_fused_novograd(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-                         weight_decay, bias_correction, grad_averaging, reg_inside_moment, norm_type,
-                         inv_scale, found_inf)
-    check.fused_memory(_OP, params, {"exp_avgs": exp_avgs}, model_params)
+    ``model_params`` written from the updated fp32 params; ``step`` incremented first. The first
+    moments are read and written in their formats and the masters joined from and split into
+    ``master_remainders`` (apex_amp/optimizers/_state_operands.py). Nothing changes when
+    ``found_inf`` is non-zero."""
+    _fake_fused_novograd(params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes,
+                         step, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging,
+                         reg_inside_moment, norm_type, inv_scale, found_inf)
+    check.fused_memory(_OP, params, {"exp_avgs": exp_avgs}, model_params, master_remainders, state_absmaxes)
     check.disjoint_within(_OP, exp_avg_sqs=exp_avg_sqs)
     taken = step_taken(found_inf)
     if taken is False:
         return
     step_after = step + 1.0
     if params:
-        grads, exp_avgs, model_params = (shaped_like(t, params) for t in (grads, exp_avgs, model_params))
+        grads, model_params = (shaped_like(t, params) for t in (grads, model_params))
+        operands = StepOperands(params, [exp_avgs], master_remainders, state_absmaxes)
         lr, beta1, beta2, eps, weight_decay = (f32(v) for v in (lr, beta1, beta2, eps, weight_decay))
         beta3 = f32(1.0 - beta1) if grad_averaging else 1.0
         count = step_after.reshape(()).double()
@@ -86,7 +94,7 @@ def fused_novograd_(
         else:  # the largest |g| (NaN if any is), 0 for an empty tensor
             norms = [g.float().abs().amax() if g.numel() else g.new_zeros((), dtype=torch.float32) for g in grads]
         new_params, new_avgs, new_moments = [], [], []
-        for i, param in enumerate(params):
+        for i, p in enumerate(operands.masters):
             norm = norms[i] * inv_scale.reshape(()) if inv_scale is not None else norms[i]
             previous = exp_avg_sqs[i].reshape(())
             if norm_type == 2:
@@ -95,22 +103,20 @@ def fused_novograd_(
                 blended = beta2 * previous + f32(1.0 - beta2) * norm
             moment = torch.where(previous < 0, norm, blended)
             grad = grads[i].float() if inv_scale is None else grads[i].float() * inv_scale.reshape(())
-            p = param.float()
             denom = moment / bc2_sqrt + eps
             if reg_inside_moment:
                 grad = grad / denom + weight_decay * p
-                m = beta1 * exp_avgs[i].float() + beta3 * grad
+                m = beta1 * operands.states[0][i] + beta3 * grad
                 p = p - lr * (m / bc1)
             else:
-                m = beta1 * exp_avgs[i].float() + beta3 * grad
+                m = beta1 * operands.states[0][i] + beta3 * grad
                 p = p - lr * ((m / bc1) / denom + weight_decay * p)
             new_params.append(p)
             new_avgs.append(m)
             new_moments.append(moment.reshape(1))
         commit(exp_avg_sqs, new_moments, taken)
-        commit(exp_avgs, new_avgs, taken)
-        commit(params, new_params, taken)
-        commit(model_params, new_params, taken)
+        operands.write_states(0, new_avgs, taken)
+        operands.write_masters(new_params, taken, model_params)
     commit([step], [step_after], taken)
 
 
@@ -210,4 +216,5 @@ class FusedNovoGrad(FusedOptimizer):
             int(group["norm_type"]),
             None if amp.inv_scale is None else amp.inv_scale.to(device),
             None if amp.found_inf is None else amp.found_inf.to(device),
+            master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
         )

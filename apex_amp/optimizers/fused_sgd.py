@@ -14,8 +14,9 @@ from torch.optim.optimizer import required
 
 from .. import _checks as check
 from .. import ops
-from .._fallback import as_fp32, commit, f32, shaped_like, step_taken, unscaled_fp32
+from .._fallback import f32, shaped_like, step_taken, unscaled_fp32
 from .._op_registry import define
+from ._state_operands import StepOperands
 from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer
 
 __all__ = ["FusedSGD"]
@@ -23,11 +24,13 @@ __all__ = ["FusedSGD"]
 _OP = "fused_sgd_"
 
 
-def _fake_fused_sgd(params, grads, momentum_buffers, model_params, lr, momentum, dampening, weight_decay,
-                    nesterov, first_run, wd_after_momentum, inv_scale=None, found_inf=None) -> None:
+def _fake_fused_sgd(params, grads, momentum_buffers, model_params, master_remainders, state_absmaxes, lr, momentum,
+                    dampening, weight_decay, nesterov, first_run, wd_after_momentum, inv_scale=None,
+                    found_inf=None) -> None:
     device = check.device_of(*params, inv_scale, found_inf)
     states = {"momentum_buffers": momentum_buffers} if momentum_buffers else {}
-    check.fused_step(_OP, device, params, grads, states, model_params, inv_scale, found_inf)
+    check.fused_step(_OP, device, params, grads, states, model_params, master_remainders, state_absmaxes,
+                     inv_scale, found_inf)
     check.host_numbers(
         _OP, lr=(lr, lr >= 0.0, ">= 0"), momentum=(momentum, momentum >= 0.0, ">= 0"),
         dampening=(dampening, 0.0 <= dampening <= 1.0, "in [0, 1]"),
@@ -39,12 +42,15 @@ def _fake_fused_sgd(params, grads, momentum_buffers, model_params, lr, momentum,
         check.fail(_OP, "nesterov needs momentum > 0 and dampening 0")
 
 
-@define(_OP, mutates_args=("params", "momentum_buffers", "model_params"), fake=_fake_fused_sgd)
+@define(_OP, mutates_args=("params", "momentum_buffers", "model_params", "master_remainders", "state_absmaxes"),
+        fake=_fake_fused_sgd)
 def fused_sgd_(
     params: list[Tensor],
     grads: list[Tensor],
     momentum_buffers: list[Tensor],
     model_params: list[Tensor],
+    master_remainders: list[Tensor],
+    state_absmaxes: list[Tensor],
     lr: float,
     momentum: float,
     dampening: float,
@@ -57,34 +63,36 @@ def fused_sgd_(
 ) -> None:
     """SGD over whole lists: grads unscaled by ``inv_scale``, ``weight_decay`` added before the momentum
     (after it with ``wd_after_momentum``), ``momentum_buffers`` (none when momentum is 0) set to the
-    gradient on the ``first_run``, the fp16/bf16 ``model_params`` written from the updated fp32
-    params; nothing changes when ``found_inf`` is non-zero."""
-    _fake_fused_sgd(params, grads, momentum_buffers, model_params, lr, momentum, dampening, weight_decay,
-                    nesterov, first_run, wd_after_momentum, inv_scale, found_inf)
+    gradient on the ``first_run``, the buffers read and written in their formats and the masters
+    joined from and split into ``master_remainders`` (apex_amp/optimizers/_state_operands.py), the
+    fp16/bf16 ``model_params`` written from the updated fp32 params; nothing changes when
+    ``found_inf`` is non-zero."""
+    _fake_fused_sgd(params, grads, momentum_buffers, model_params, master_remainders, state_absmaxes, lr, momentum,
+                    dampening, weight_decay, nesterov, first_run, wd_after_momentum, inv_scale, found_inf)
     states = {"momentum_buffers": momentum_buffers} if momentum_buffers else {}
-    check.fused_memory(_OP, params, states, model_params)
+    check.fused_memory(_OP, params, states, model_params, master_remainders, state_absmaxes)
     taken = step_taken(found_inf)
     if taken is False or not params:
         return
-    grads, momentum_buffers, model_params = (shaped_like(t, params) for t in (grads, momentum_buffers, model_params))
+    grads, model_params = (shaped_like(t, params) for t in (grads, model_params))
+    operands = StepOperands(params, list(states.values()), master_remainders, state_absmaxes)
     lr, momentum, weight_decay = f32(lr), f32(momentum), f32(weight_decay)
     grad = unscaled_fp32(grads, inv_scale)
-    param = as_fp32(params)
+    param = operands.masters
     if weight_decay != 0.0 and not wd_after_momentum:
         grad = torch._foreach_add(grad, torch._foreach_mul(param, weight_decay))
     if momentum_buffers:
         if first_run:
             buffer = grad
         else:
-            buffer = torch._foreach_add(torch._foreach_mul(as_fp32(momentum_buffers), momentum),
+            buffer = torch._foreach_add(torch._foreach_mul(operands.states[0], momentum),
                                         torch._foreach_mul(grad, f32(1.0 - f32(dampening))))
         grad = torch._foreach_add(grad, torch._foreach_mul(buffer, momentum)) if nesterov else buffer
-        commit(momentum_buffers, buffer, taken)
+        operands.write_states(0, buffer, taken)
     if weight_decay != 0.0 and wd_after_momentum:
         grad = torch._foreach_add(grad, torch._foreach_mul(param, weight_decay))
     param = torch._foreach_sub(param, torch._foreach_mul(grad, lr))
-    commit(params, param, taken)
-    commit(model_params, param, taken)
+    operands.write_masters(param, taken, model_params)
 
 
 class FusedSGD(FusedOptimizer):
@@ -193,4 +201,6 @@ class FusedSGD(FusedOptimizer):
                 float(group["lr"]), float(group["momentum"]), float(group["dampening"]),
                 float(group["weight_decay"]), bool(group["nesterov"]), first_run, self.wd_after_momentum,
                 None if amp.inv_scale is None else amp.inv_scale.to(device), found_inf,
+                master_remainders=pick(batch.master_remainders) if batch.master_remainders else [],
+                state_absmaxes=batch.state_absmaxes(None if len(indices) == len(batch.params) else indices),
             )

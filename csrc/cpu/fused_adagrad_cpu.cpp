@@ -18,6 +18,8 @@ void fused_adagrad_cpu(
     at::TensorList grads,
     at::TensorList state_sums,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     double lr,
     double eps,
     double weight_decay,
@@ -25,7 +27,9 @@ void fused_adagrad_cpu(
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf) {
   validate_fused_adagrad(
-      params, grads, state_sums, model_params, lr, eps, weight_decay, inv_scale, found_inf, at::kCPU);
+      params, grads, state_sums, model_params, master_remainders, state_absmaxes, lr, eps,
+      weight_decay, inv_scale, found_inf, at::kCPU);
+  refuse_state_formats("fused_adagrad_", "CPU", params, {{"state_sums", state_sums}}, master_remainders);
   if (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.f) {
     return;
   }

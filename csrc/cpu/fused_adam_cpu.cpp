@@ -30,6 +30,8 @@ void fused_adam_cpu(
     at::TensorList exp_avgs,
     at::TensorList exp_avg_sqs,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     const at::Tensor& step,
     double lr,
     double beta1,
@@ -41,8 +43,12 @@ void fused_adam_cpu(
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf) {
   validate_fused_adam(
-      params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
+      params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
+      lr, beta1, beta2, eps,
       weight_decay, inv_scale, found_inf, at::kCPU);
+  refuse_state_formats(
+      "fused_adam_", "CPU", params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
+      master_remainders);
   const std::optional<float> step_after = take_step(step, found_inf);
   if (!step_after) {
     return;

@@ -24,6 +24,8 @@ void fused_novograd_cpu(
     at::TensorList exp_avgs,
     at::TensorList exp_avg_sqs,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     const at::Tensor& step,
     double lr,
     double beta1,
@@ -37,8 +39,10 @@ void fused_novograd_cpu(
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf) {
   validate_fused_novograd(
-      params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps, weight_decay,
+      params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
+      lr, beta1, beta2, eps, weight_decay,
       norm_type, inv_scale, found_inf, at::kCPU);
+  refuse_state_formats("fused_novograd_", "CPU", params, {{"exp_avgs", exp_avgs}}, master_remainders);
   const std::optional<float> step_after = take_step(step, found_inf);
   if (!step_after) {
     return;

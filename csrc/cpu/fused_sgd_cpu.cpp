@@ -18,6 +18,8 @@ void fused_sgd_cpu(
     at::TensorList grads,
     at::TensorList momentum_buffers,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     double lr,
     double momentum,
     double dampening,
@@ -28,8 +30,11 @@ void fused_sgd_cpu(
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf) {
   validate_fused_sgd(
-      params, grads, momentum_buffers, model_params, lr, momentum, dampening, weight_decay, nesterov,
+      params, grads, momentum_buffers, model_params, master_remainders, state_absmaxes, lr,
+      momentum, dampening, weight_decay, nesterov,
       inv_scale, found_inf, at::kCPU);
+  refuse_state_formats(
+      "fused_sgd_", "CPU", params, {{"momentum_buffers", momentum_buffers}}, master_remainders);
   if (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.f) {
     return;
   }

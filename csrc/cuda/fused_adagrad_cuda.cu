@@ -20,6 +20,8 @@ void fused_adagrad_cuda(
     at::TensorList grads,
     at::TensorList state_sums,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     double lr,
     double eps,
     double weight_decay,
@@ -31,7 +33,9 @@ void fused_adagrad_cuda(
   }
   const at::Device device = params[0].device();
   validate_fused_adagrad(
-      params, grads, state_sums, model_params, lr, eps, weight_decay, inv_scale, found_inf, device);
+      params, grads, state_sums, model_params, master_remainders, state_absmaxes, lr, eps,
+      weight_decay, inv_scale, found_inf, device);
+  refuse_state_formats("fused_adagrad_", "CUDA", params, {{"state_sums", state_sums}}, master_remainders);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const AdagradHyper hyper{

@@ -21,6 +21,8 @@ void fused_adam_cuda(
     at::TensorList exp_avgs,
     at::TensorList exp_avg_sqs,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     const at::Tensor& step,
     double lr,
     double beta1,
@@ -33,8 +35,12 @@ void fused_adam_cuda(
     const std::optional<at::Tensor>& found_inf) {
   const at::Device device = step.device();
   validate_fused_adam(
-      params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
+      params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
+      lr, beta1, beta2, eps,
       weight_decay, inv_scale, found_inf, device);
+  refuse_state_formats(
+      "fused_adam_", "CUDA", params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
+      master_remainders);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const AdamStepParams hyper =

@@ -112,6 +112,8 @@ void fused_lamb_cuda(
     at::TensorList exp_avgs,
     at::TensorList exp_avg_sqs,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     const at::Tensor& step,
     const at::Tensor& grad_norm,
     double lr,
@@ -128,8 +130,12 @@ void fused_lamb_cuda(
     const std::optional<at::Tensor>& found_inf) {
   const at::Device device = step.device();
   validate_fused_lamb(
-      params, grads, exp_avgs, exp_avg_sqs, model_params, step, grad_norm, lr, beta1, beta2, eps,
+      params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
+      grad_norm, lr, beta1, beta2, eps,
       weight_decay, max_grad_norm, inv_scale, found_inf, device);
+  refuse_state_formats(
+      "fused_lamb_", "CUDA", params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
+      master_remainders);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const FusedStepArgs step_args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf)};
@@ -176,7 +182,8 @@ void fused_lamb_cuda(
         static_cast<float>(lr), hyper.weight_decay, use_nvlamb, step_args.found_inf);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // 3. The update.
-    run_fused_rule(stream, params, grads, {exp_avgs, exp_avg_sqs}, model_params, hyper, step_args, trust_steps);
+    run_fused_rule(stream, params, grads, {exp_avgs, exp_avg_sqs}, model_params, hyper, step_args,
+    trust_steps);
   }
   increment_step(stream, step.data_ptr<float>(), step_args.found_inf);
 }

@@ -46,6 +46,8 @@ void fused_novograd_cuda(
     at::TensorList exp_avgs,
     at::TensorList exp_avg_sqs,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     const at::Tensor& step,
     double lr,
     double beta1,
@@ -60,8 +62,10 @@ void fused_novograd_cuda(
     const std::optional<at::Tensor>& found_inf) {
   const at::Device device = step.device();
   validate_fused_novograd(
-      params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps, weight_decay,
+      params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
+      lr, beta1, beta2, eps, weight_decay,
       norm_type, inv_scale, found_inf, device);
+  refuse_state_formats("fused_novograd_", "CUDA", params, {{"exp_avgs", exp_avgs}}, master_remainders);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const FusedStepArgs args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf)};

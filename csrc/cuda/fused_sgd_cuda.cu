@@ -20,6 +20,8 @@ void fused_sgd_cuda(
     at::TensorList grads,
     at::TensorList momentum_buffers,
     at::TensorList model_params,
+    at::TensorList master_remainders,
+    at::TensorList state_absmaxes,
     double lr,
     double momentum,
     double dampening,
@@ -34,8 +36,11 @@ void fused_sgd_cuda(
   }
   const at::Device device = params[0].device();
   validate_fused_sgd(
-      params, grads, momentum_buffers, model_params, lr, momentum, dampening, weight_decay, nesterov,
+      params, grads, momentum_buffers, model_params, master_remainders, state_absmaxes, lr,
+      momentum, dampening, weight_decay, nesterov,
       inv_scale, found_inf, device);
+  refuse_state_formats(
+      "fused_sgd_", "CUDA", params, {{"momentum_buffers", momentum_buffers}}, master_remainders);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const FusedStepArgs args{nullptr, optional_data(inv_scale), optional_data(found_inf)};

@@ -195,7 +195,7 @@ def fused_adam(table: Table, a: Side, b: Side, sizes):
             step = torch.zeros(1, device=side.device)
             for k in range(STEPS):
                 grads = side.put(random_list(sizes, grad_dtype, 64.0, seed=10 + k))
-                side.ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model, step, 1e-2, 0.9, 0.999, 1e-8,
+                side.ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model, [], [], step, 1e-2, 0.9, 0.999, 1e-8,
                                      0.01, True, True, side.flag(1 / 64), side.flag())
             outs.append(params + exp_avgs + exp_avg_sqs + model)
         table.add("fused_adam_", label, *outs, f"{STEPS} AdamW steps, inv_scale 1/64")

@@ -49,7 +49,7 @@ class Twins:
         for ops, state in ((EMULATED, self.emulated), (CPU, self.cpu)):
             ops.fused_adam_(
                 state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"],
-                state["model_params"], state["step"], hyper["lr"], hyper["beta1"], hyper["beta2"],
+                state["model_params"], [], [], state["step"], hyper["lr"], hyper["beta1"], hyper["beta2"],
                 hyper["eps"], hyper["weight_decay"], hyper["adamw_mode"], hyper["bias_correction"],
                 None if inv_scale is None else flag(inv_scale),
                 None if found_inf is None else flag(found_inf))
