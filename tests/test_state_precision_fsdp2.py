@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from _launch import launch
+from _state_backend import formats_backend  # noqa: F401  (a fixture)
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("formats_backend"),
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp.py"
