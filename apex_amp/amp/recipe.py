@@ -148,6 +148,10 @@ class Recipe:
     # ---- FSDP2 -----------------------------------------------------------------------
     def fsdp2_refusal(self) -> Optional[str]:
         """Why this recipe has no form under ``fully_shard``, or None."""
+        if self.remainder_masters:
+            return ("master_weights='remainder' has no form under fully_shard: FSDP2 keeps the sharded parameters "
+                    "in fp32, which are the masters already (all-gathered in bf16 for compute); use "
+                    "master_weights=True (O2's default) with a low state_precision to save memory there")
         if self.casts_model_to_half and not self.master_weights:
             return (
                 f"opt_level={self.opt_level} without master weights (half weights, no fp32 copy) has no form under "
