@@ -137,7 +137,9 @@ def amp_run(master_weights, steps=12, state_precision="fp32"):
 
 def test_o2_with_remainder_masters_keeps_no_fp32_copy_and_trains_like_o2_with_masters():
     _, optimizer, _, _ = amp_run(True)
+    with_masters_state = amp.state_dict()
     model, remainder_optimizer, fp32_weights, start = amp_run("remainder")
+    assert amp.state_dict() == with_masters_state  # amp's own state: the loss scalers, unchanged
     # The masters start exactly at the fp32 weights (split when initialize cast the model)...
     for weight, param, joined in zip(fp32_weights, model.parameters(), start):
         if param.dtype == torch.bfloat16:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from _state_backend import formats_backend, ops_in_use_take_state_formats  # noqa: F401  (a fixture)
@@ -18,7 +20,7 @@ from apex_amp import ops
 from apex_amp.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad,
                                  FusedSGD)
 from apex_amp.optimizers.fused_optimizer import AmpStepArgs
-from apex_amp.optimizers.state_formats import dequantize, quantize
+from apex_amp.optimizers.state_formats import dequantize, quantize, state_layout
 
 pytestmark = pytest.mark.usefixtures("formats_backend")
 
@@ -128,6 +130,25 @@ def test_state_is_stored_as_the_layout_of_the_global_shape_says(name, precision)
         for small in (model[0].bias, model[2].weight, model[2].bias):
             assert optimizer.state[small][key].dtype == torch.float32
             assert key + "_absmax" not in optimizer.state[small]
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), row_size=st.sampled_from([24, 32, 48, 64, 96, 160, 256, 384]),
+       precision=st.sampled_from(sorted(STORAGE)), block=st.sampled_from([32, 64, 128, 256]),
+       minimum=st.sampled_from([0, 100, 4096]))
+def test_the_state_of_any_shape_follows_state_layout(rows, row_size, precision, block, minimum):
+    weight = nn.Parameter(torch.randn(rows, row_size))
+    weight.grad = torch.randn(rows, row_size)
+    optimizer = FusedSGD([weight], lr=0.1, momentum=0.9, state_precision=precision, state_block_size=block,
+                         min_quantized_numel=minimum)
+    optimizer.step()
+    layout = state_layout((rows, row_size), precision, block, minimum)
+    state = optimizer.state[weight]
+    assert state["momentum_buffer"].dtype == STORAGE[layout.precision.value][False]
+    if layout.block is None:
+        assert "momentum_buffer_absmax" not in state
+    else:
+        assert state["momentum_buffer_absmax"].shape == (rows, row_size // layout.block)
 
 
 def test_each_param_group_keeps_its_own_precision_and_block_size():
