@@ -15,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from _state_backend import formats_backend, ops_in_use_take_state_formats  # noqa: F401  (a fixture)
-from apex_amp import ops
+from _state_backend import formats_backend  # noqa: F401  (a fixture)
 from apex_amp.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad,
                                  FusedSGD)
 from apex_amp.optimizers.fused_optimizer import AmpStepArgs
@@ -184,16 +183,8 @@ def test_adam_state_bytes_per_parameter(precision, state_bytes):
     assert held / sum(p.numel() for p in model.parameters()) == pytest.approx(state_bytes, rel=1e-12)
 
 
-# Seen on issue-27-formats's interface commit (94390ad): its pure-PyTorch fused_novograd_ updates a
-# param whose exp_avg is bf16/fp8/int8 differently from the same values in fp32 (3e-4 apart at lr
-# 1e-2), against the contract's "the params must be equal exactly"; reported to its owner.
-NOVOGRAD_FALLBACK = pytest.mark.xfail(ops.BACKEND == "fallback" or not ops_in_use_take_state_formats(), strict=True,
-                                      reason="the fallback's fused_novograd_ with formatted exp_avgs")
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "int8"])
-@pytest.mark.parametrize("name", [pytest.param(name, marks=NOVOGRAD_FALLBACK) if name == "FusedNovoGrad" else name
-                                  for name in sorted(FAMILY)])
+@pytest.mark.parametrize("name", sorted(FAMILY))
 def test_a_step_is_the_fp32_step_on_the_dequantized_state_then_quantized(name, precision):
     # The contract of the ops, seen through the optimizers: the quantized step equals an fp32 step
     # from the dequantized state (same backend), whose new state quantized is the stored one.

@@ -73,7 +73,7 @@ def convert_state(codes: Tensor, absmax: Optional[Tensor], layout: Optional[Stat
 
 
 def fp32_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a fused optimizer's ``state_dict()`` with every per-element state in fp32.
+    """A copy of a fused optimizer's ``state_dict()`` with every per-element state in fp32 (new tensors).
 
     bf16, fp8 and int8 states are dequantized (exactly the values the optimizer used) and their
     ``<key>_absmax`` entries dropped; the param groups say ``state_precision="fp32"``. Any fused
@@ -98,8 +98,9 @@ def fp32_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
             if key.endswith(_ABSMAX) and key[:-len(_ABSMAX)] in state:
                 continue
             if isinstance(value, Tensor) and value.dtype in _QUANTIZED:
-                absmax = state.get(key + _ABSMAX)
-                value = _dequantized(value, absmax)
+                value = _dequantized(value, state.get(key + _ABSMAX))
+            elif isinstance(value, Tensor):
+                value = value.detach().clone()  # a copy: loading it must not alias the source's live state
             new[key] = value
         converted["state"][index] = new
     return converted
