@@ -3,6 +3,9 @@
 #include <torch/extension.h>
 
 #include "cpu/kernel_table.h"
+#include "state_formats.h"
+
+#include <vector>
 
 // setup.py defines these for a CUDA build.
 #ifndef APEX_AMP_CUDA_ARCHS
@@ -32,9 +35,27 @@ py::dict build_info() {
   return info;
 }
 
+// The int8 format's dynamic map as the kernels build it (state_formats.h), and
+// the fp32 midpoints they search, for the test against state_formats.dynamic_map.
+std::vector<float> state_format_map(bool is_signed) {
+  namespace sf = apex_amp::state_formats;
+  return is_signed ? std::vector<float>(sf::kSignedMap.begin(), sf::kSignedMap.end())
+                   : std::vector<float>(sf::kUnsignedMap.begin(), sf::kUnsignedMap.end());
+}
+
+std::vector<float> state_format_midpoints(bool is_signed) {
+  namespace sf = apex_amp::state_formats;
+  return is_signed ? std::vector<float>(sf::kSignedMidpoints.begin(), sf::kSignedMidpoints.end())
+                   : std::vector<float>(sf::kUnsignedMidpoints.begin(), sf::kUnsignedMidpoints.end());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "apex_amp's compiled kernels (ops live in torch.ops.apex_amp)";
   m.def("build_info", &build_info, "How this extension was built: CPU ISAs, CUDA, archs, compiler.");
+  m.def("state_format_map", &state_format_map, py::arg("signed"),
+        "The int8 state format's dynamic map (255 signed or 256 unsigned fp32 values) the kernels use.");
+  m.def("state_format_midpoints", &state_format_midpoints, py::arg("signed"),
+        "The fp32 midpoints between the map's neighbouring entries, which the kernels search.");
 }

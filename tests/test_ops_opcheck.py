@@ -12,7 +12,7 @@ import torch
 
 import _reference as ref
 import _state_steps as steps
-from _backends import namespace_of
+from _backends import BACKENDS, namespace_of
 from _errors import raises_naming
 
 CHANNELS_LAST = {"memory_format": torch.channels_last}
@@ -189,7 +189,6 @@ def test_ops_compile_into_one_graph_with_no_graph_breaks(amp_ops):
 
 # The fused optimizer ops with their state operands (issue 27): blocked int8/uint8 and fp8 states with
 # their absmaxes, bf16 states, and bf16 weights with remainder masters.
-STATE_FORMAT_BACKENDS = ("fallback",)  # the CPU kernels take state formats in the next commit
 
 
 def _state_format_samples():
@@ -215,7 +214,7 @@ class _Recorder:
 STATE_FORMAT_SAMPLES = list(_state_format_samples())
 
 
-@pytest.mark.parametrize("backend", STATE_FORMAT_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("op_name", "args"), [s[::2] for s in STATE_FORMAT_SAMPLES],
                          ids=[f"{s[0]}-{s[1]}" for s in STATE_FORMAT_SAMPLES])
 def test_opcheck_with_state_formats(backend, op_name, args):

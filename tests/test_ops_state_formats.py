@@ -9,18 +9,23 @@ fp32 master's step, split again. On each backend against itself (both run the sa
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import _state_steps as steps
-from _backends import namespace_of
+from _backends import BACKENDS, namespace_of
 from _errors import raises_naming
 from apex_amp import _checks, ops
 from apex_amp.optimizers import fused_adagrad, fused_adam, fused_lamb, fused_novograd, fused_sgd, state_formats
 
 STATEFUL = ("adam", "sgd", "adagrad", "novograd", "lamb")
-BACKENDS = ("fallback",)  # the CPU kernels take state formats in the next commit
 BLOCK = 64
 # (id, shapes): nothing, one block, several blocks, odd row counts, more than one 16384-element work unit.
 SIZES = [
@@ -145,3 +150,71 @@ def test_fallback_skip_decided_on_the_device_masks_codes_absmaxes_and_remainders
     else:
         steps.RULES[rule].call(ns, plain)
         steps.assert_bitwise_equal(masked, plain)
+
+
+# Special values in the states and grads: zeros (flushed blocks), numbers far apart in one block,
+# denormals, values at the maps' edges.
+_SPECIAL = st.sampled_from([0.0, -0.0, 1e-39, -1e-39, 1e-30, 3.0e38, -3.0e38, 1e-7, 0.5, -1.0, 448.0])
+_FINITE = st.floats(min_value=-1e3, max_value=1e3, allow_nan=False, width=32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(values=st.lists(st.one_of(_SPECIAL, _FINITE), min_size=64, max_size=64),
+       grads=st.lists(st.one_of(_SPECIAL, _FINITE), min_size=64, max_size=64),
+       fmt=st.sampled_from(["fp8", "int8", "bf16"]), rule=st.sampled_from(STATEFUL))
+def test_any_values_step_as_their_fp32_values_quantized_again(values, grads, fmt, rule):
+    for backend in BACKENDS:
+        ns = _backend_ops(backend)
+        formatted = steps.make_step(steps.RULES[rule], [(2, 32)], fmt, 32, seed=19)
+        for k, state in enumerate(formatted.states):
+            nonnegative = steps.RULES[rule].nonnegative[k]
+            raw = torch.tensor(values).reshape(2, 32)
+            codes, absmax = state_formats.quantize(raw.abs() if nonnegative else raw, state[0].dtype,
+                                                   32 if state[0].dtype in steps.BLOCKED else None)
+            state[0].copy_(codes)
+            if absmax is not None:
+                formatted.absmaxes[k].copy_(absmax.reshape(-1))
+        formatted.grads[0].copy_(torch.tensor(grads).reshape(2, 32))
+        before, twin = formatted.clone(), steps.fp32_twin(formatted)
+        rule_of = steps.RULES[rule]
+        rule_of.call(ns, formatted)
+        rule_of.call(ns, twin)
+        steps.assert_bitwise_equal(formatted, steps.expected_from_twin(before, twin))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_every_cpu_instruction_set_runs_the_formats_bit_for_bit(capability):
+    # One process per instruction set (the extension picks its kernels once per process).
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "PYTHONPATH": str(root)}
+    env.pop("APEX_AMP_FORCE_FALLBACK", None)
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m", "not slow",
+         "-k", "extension and (quantized_again or remainder or poisons)"],
+        env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
+
+
+def _code_steps(a, b):
+    """How many codes apart two blocked states are, element by element."""
+    if a.dtype == torch.float8_e4m3fn:  # sign and magnitude: the low 7 bits order the magnitudes
+        a, b = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+        signed_a = torch.where(a >= 128, -(a - 128), a)
+        signed_b = torch.where(b >= 128, -(b - 128), b)
+        return (signed_a - signed_b).abs()
+    return (a.int() - b.int()).abs()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("rule", STATEFUL)
+def test_the_fallback_agrees_with_the_kernels_within_one_code_step(rule, fmt):
+    # Their fp32 arithmetic agrees to a few ulp, so a value may round to the neighbouring code.
+    kernels, fallback = (steps.make_step(steps.RULES[rule], [(33, BLOCK)], fmt, BLOCK, grad_dtype=torch.bfloat16,
+                                         seed=23) for _ in range(2))
+    steps.RULES[rule].call(namespace_of("extension"), kernels)
+    steps.RULES[rule].call(namespace_of("fallback"), fallback)
+    torch.testing.assert_close(kernels.params, fallback.params, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kernels.absmaxes, fallback.absmaxes, rtol=1e-5, atol=0)
+    for got, want in zip(kernels.states, fallback.states):
+        assert int(max(_code_steps(a, b).max() for a, b in zip(got, want))) <= 1

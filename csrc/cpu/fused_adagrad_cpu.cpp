@@ -29,13 +29,13 @@ void fused_adagrad_cpu(
   validate_fused_adagrad(
       params, grads, state_sums, model_params, master_remainders, state_absmaxes, lr, eps,
       weight_decay, inv_scale, found_inf, at::kCPU);
-  refuse_state_formats("fused_adagrad_", "CPU", params, {{"state_sums", state_sums}}, master_remainders);
   if (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.f) {
     return;
   }
   const AdagradHyper hyper{
       static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(weight_decay), adagrad_w_mode};
-  const FusedLists lists(params, grads, {state_sums}, model_params);
+  const FusedLists lists(
+      params, grads, {state_sums}, model_params, master_remainders, state_absmaxes);
   active_kernels().adagrad(lists.plan(), lists.operands(), hyper, value_or_one(inv_scale));
 }
 

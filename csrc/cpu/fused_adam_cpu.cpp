@@ -44,11 +44,7 @@ void fused_adam_cpu(
     const std::optional<at::Tensor>& found_inf) {
   validate_fused_adam(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      lr, beta1, beta2, eps,
-      weight_decay, inv_scale, found_inf, at::kCPU);
-  refuse_state_formats(
-      "fused_adam_", "CPU", params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
-      master_remainders);
+      lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf, at::kCPU);
   const std::optional<float> step_after = take_step(step, found_inf);
   if (!step_after) {
     return;
@@ -56,7 +52,8 @@ void fused_adam_cpu(
   AdamStepParams hyper =
       adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
   prepare_step(hyper, *step_after);
-  const FusedLists lists(params, grads, {exp_avgs, exp_avg_sqs}, model_params);
+  const FusedLists lists(
+      params, grads, {exp_avgs, exp_avg_sqs}, model_params, master_remainders, state_absmaxes);
   active_kernels().adam(lists.plan(), lists.operands(), hyper, value_or_one(inv_scale));
 }
 

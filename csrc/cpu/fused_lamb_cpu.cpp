@@ -44,11 +44,7 @@ void fused_lamb_cpu(
     const std::optional<at::Tensor>& found_inf) {
   validate_fused_lamb(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      grad_norm, lr, beta1, beta2, eps,
-      weight_decay, max_grad_norm, inv_scale, found_inf, at::kCPU);
-  refuse_state_formats(
-      "fused_lamb_", "CPU", params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
-      master_remainders);
+      grad_norm, lr, beta1, beta2, eps, weight_decay, max_grad_norm, inv_scale, found_inf, at::kCPU);
   const std::optional<float> step_after = take_step(step, found_inf);
   if (!step_after) {
     return;
@@ -60,7 +56,8 @@ void fused_lamb_cpu(
       lamb_grad_scale(*grad_norm.data_ptr<float>() * inv, static_cast<float>(max_grad_norm));
   prepare_step(hyper, *step_after);
 
-  const FusedLists lists(params, grads, {exp_avgs, exp_avg_sqs}, model_params);
+  const FusedLists lists(
+      params, grads, {exp_avgs, exp_avg_sqs}, model_params, master_remainders, state_absmaxes);
   const ListPlan& plan = lists.list_plan();
   std::vector<float> param_squares(plan.num_units());
   std::vector<float> direction_squares(plan.num_units());

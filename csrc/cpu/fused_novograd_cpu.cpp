@@ -40,9 +40,7 @@ void fused_novograd_cpu(
     const std::optional<at::Tensor>& found_inf) {
   validate_fused_novograd(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      lr, beta1, beta2, eps, weight_decay,
-      norm_type, inv_scale, found_inf, at::kCPU);
-  refuse_state_formats("fused_novograd_", "CPU", params, {{"exp_avgs", exp_avgs}}, master_remainders);
+      lr, beta1, beta2, eps, weight_decay, norm_type, inv_scale, found_inf, at::kCPU);
   const std::optional<float> step_after = take_step(step, found_inf);
   if (!step_after) {
     return;
@@ -80,7 +78,8 @@ void fused_novograd_cpu(
   NovoGradHyper hyper = novograd_hyper(
       lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment);
   prepare_step(hyper, *step_after);
-  const FusedLists lists(params, grads, {exp_avgs}, model_params);
+  const FusedLists lists(
+      params, grads, {exp_avgs}, model_params, master_remainders, state_absmaxes);
   active_kernels().novograd(lists.plan(), lists.operands(moments.data()), hyper, inv);
 }
 

@@ -31,24 +31,23 @@ void fused_sgd_cpu(
     const std::optional<at::Tensor>& found_inf) {
   validate_fused_sgd(
       params, grads, momentum_buffers, model_params, master_remainders, state_absmaxes, lr,
-      momentum, dampening, weight_decay, nesterov,
-      inv_scale, found_inf, at::kCPU);
-  refuse_state_formats(
-      "fused_sgd_", "CPU", params, {{"momentum_buffers", momentum_buffers}}, master_remainders);
+      momentum, dampening, weight_decay, nesterov, inv_scale, found_inf, at::kCPU);
   if (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.f) {
     return;
   }
   const float inv = value_or_one(inv_scale);
   if (momentum_buffers.empty()) {
     const PlainSgdHyper hyper{static_cast<float>(lr), static_cast<float>(weight_decay)};
-    const FusedLists lists(params, grads, {}, model_params);
+    const FusedLists lists(
+        params, grads, {}, model_params, master_remainders, state_absmaxes);
     active_kernels().plain_sgd(lists.plan(), lists.operands(), hyper, inv);
     return;
   }
   const SgdHyper hyper{
       static_cast<float>(lr), static_cast<float>(momentum), static_cast<float>(dampening),
       static_cast<float>(weight_decay), nesterov, first_run, wd_after_momentum};
-  const FusedLists lists(params, grads, {momentum_buffers}, model_params);
+  const FusedLists lists(
+      params, grads, {momentum_buffers}, model_params, master_remainders, state_absmaxes);
   active_kernels().sgd(lists.plan(), lists.operands(), hyper, inv);
 }
 

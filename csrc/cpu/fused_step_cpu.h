@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <initializer_list>
 #include <optional>
 #include <vector>
@@ -42,16 +43,101 @@ inline float value_or_one(const std::optional<at::Tensor>& one_element) {
 // limits the O2 step").
 constexpr int64_t kStreamingModelCopyMinElements = int64_t{1} << 22;
 
+// The format of state `state` of params[i] (validate.h has checked the pair):
+// formats need fp32 or remainder masters; else the state has its params' dtype.
+inline StateFormat state_format_of(const at::Tensor& param, const at::Tensor& state, bool has_remainder) {
+  const bool master = has_remainder || param.scalar_type() == at::kFloat;
+  switch (state.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return StateFormat::kFp8;
+    case at::kChar:
+      return StateFormat::kInt8;
+    case at::kByte:
+      return StateFormat::kUInt8;
+    case at::kBFloat16:
+      return master ? StateFormat::kBFloat16 : StateFormat::kFloat32;  // (the latter unused: not formatted)
+    default:
+      return StateFormat::kFloat32;
+  }
+}
+
+// The state operands of one step (kernel_table.h: FormatView), built only when
+// some tensor is formatted: a remainder master, or a state whose dtype is not
+// its params' (bf16 states of fp32 masters, fp8, int8, uint8).
+class StepFormats {
+ public:
+  StepFormats(
+      at::TensorList params,
+      std::initializer_list<at::TensorList> states,
+      at::TensorList master_remainders,
+      at::TensorList state_absmaxes) {
+    const size_t count = params.size();
+    const bool has_remainders = !master_remainders.empty();
+    formatted_.assign(count, has_remainders ? 1 : 0);
+    size_t k = 0;
+    for (at::TensorList state : states) {
+      formats_[k].resize(count);
+      absmax_[k].assign(count, nullptr);
+      block_[k].assign(count, 0);
+      for (size_t i = 0; i < count; ++i) {
+        formats_[k][i] = state_format_of(params[i], state[i], has_remainders);
+        if (state[i].scalar_type() != params[i].scalar_type()) {
+          formatted_[i] = 1;
+        }
+        if (is_blocked(formats_[k][i]) && state[i].numel() > 0) {
+          const at::Tensor& absmax = state_absmaxes[k * count + i];
+          absmax_[k][i] = absmax.data_ptr<float>();
+          block_[k][i] = state[i].numel() / absmax.numel();
+        }
+      }
+      ++k;
+    }
+    for (const at::Tensor& remainder : master_remainders) {
+      remainders_.push_back(static_cast<char*>(remainder.data_ptr()));
+    }
+    any_ = std::find(formatted_.begin(), formatted_.end(), 1) != formatted_.end();
+    view_.formatted = formatted_.data();
+    for (size_t j = 0; j < k; ++j) {
+      view_.format[j] = formats_[j].data();
+      view_.absmax[j] = absmax_[j].data();
+      view_.block[j] = block_[j].data();
+    }
+    view_.remainder = has_remainders ? remainders_.data() : nullptr;
+  }
+
+  // Null when no tensor is formatted: the kernels then run exactly as before formats existed.
+  const FormatView* view() const {
+    return any_ ? &view_ : nullptr;
+  }
+
+ private:
+  std::vector<uint8_t> formatted_;
+  std::vector<StateFormat> formats_[kMaxRuleStates];
+  std::vector<float*> absmax_[kMaxRuleStates];
+  std::vector<int64_t> block_[kMaxRuleStates];
+  std::vector<char*> remainders_;
+  FormatView view_{};
+  bool any_ = false;
+};
+
 // The lists of one fused step, as the kernels see them; `states` in the
-// rule's order (Adam: exp_avgs, exp_avg_sqs), model_params empty for no copy.
+// rule's order (Adam: exp_avgs, exp_avg_sqs), model_params empty for no copy,
+// master_remainders and state_absmaxes as the op takes them (validate.h).
 class FusedLists {
  public:
   FusedLists(
       at::TensorList params,
       at::TensorList grads,
       std::initializer_list<at::TensorList> states,
-      at::TensorList model_params)
-      : plan_(params), params_(params), grads_(grads), model_(model_params), has_model_(!model_params.empty()) {
+      at::TensorList model_params,
+      at::TensorList master_remainders,
+      at::TensorList state_absmaxes)
+      : plan_(params),
+        params_(params),
+        grads_(grads),
+        model_(model_params),
+        has_model_(!model_params.empty()),
+        formats_(params, states, master_remainders, state_absmaxes) {
     for (at::TensorList state : states) {
       states_.emplace_back(state);
     }
@@ -79,6 +165,7 @@ class FusedLists {
     operands.model_params = has_model_ ? model_.view() : OperandView{nullptr, nullptr};
     operands.tensor_values = tensor_values;
     operands.stream_model_copy = stream_model_;
+    operands.formats = formats_.view();
     return operands;
   }
 
@@ -89,6 +176,7 @@ class FusedLists {
   std::vector<ListOperand> states_;
   ListOperand model_;
   bool has_model_;
+  StepFormats formats_;
   bool stream_model_ = false;
 };
 

@@ -9,6 +9,7 @@
 #pragma once
 
 #include "fused_rules.h"
+#include "state_formats.h"
 #include "cpu/list_parallel.h"
 
 namespace apex_amp::cpu {
@@ -16,11 +17,27 @@ namespace apex_amp::cpu {
 // The most per-element state tensors a fused rule keeps (Adam's and LAMB's two moments).
 constexpr int kMaxRuleStates = 2;
 
+// The state operands of a step, per tensor (fused_step_cpu.h builds them):
+// a tensor is `formatted` when its master is a bf16 weight plus remainder or
+// one of its states is stored in a format other than its params' dtype
+// (state_formats.h); the kernels then read its master and states in fp32
+// segment by segment, run the rule, and store them back in their formats.
+// absmax[k][t]: the absmaxes of state k of tensor t (null: not blocked), one
+// per block of block[k][t] elements; remainder[t]: int16 data (null array: none).
+struct FormatView {
+  const uint8_t* formatted;
+  const StateFormat* format[kMaxRuleStates];
+  float* const* absmax[kMaxRuleStates];
+  const int64_t* block[kMaxRuleStates];
+  char* const* remainder;
+};
+
 // The tensors of one fused optimizer step: params, grads, the rule's state
 // lists (the first kStates used), the O2 model copy (data null: none) and,
 // for rules that take one, a value per tensor of the lists.
 // stream_model_copy: write fp16/bf16 model copies with non-temporal stores
 // (the launcher decides: fused_step_cpu.h, kStreamingModelCopyMinElements).
+// formats: null when no tensor is formatted (every step before state formats).
 struct RuleOperands {
   OperandView params;
   OperandView grads;
@@ -28,6 +45,7 @@ struct RuleOperands {
   OperandView model_params;
   const float* tensor_values;
   bool stream_model_copy;
+  const FormatView* formats;
 };
 
 // One member per fused rule (fused_rules.h): runs the rule over every unit,

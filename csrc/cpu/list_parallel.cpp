@@ -15,6 +15,14 @@ Storage storage_of(at::ScalarType dtype) {
       return Storage::kFloat16;
     case at::kBFloat16:
       return Storage::kBFloat16;
+    case at::kFloat8_e4m3fn:
+      return Storage::kFloat8E4M3;
+    case at::kChar:
+      return Storage::kInt8;
+    case at::kByte:
+      return Storage::kUInt8;
+    case at::kShort:
+      return Storage::kInt16;
     default:
       // The launchers check dtypes with messages that name the argument
       // first; reaching this is a bug in a launcher.

@@ -36,8 +36,9 @@ constexpr int64_t kMinElementsPerThread = 32768;
 // overhead, so that lists of tiny tensors are also shared fairly.
 constexpr int64_t kUnitOverheadElements = 256;
 
-// The storage dtypes the kernels read and write.
-enum class Storage : uint8_t { kFloat32, kFloat16, kBFloat16 };
+// The storage dtypes the kernels read and write: the floating ones, and the
+// codes and remainders of state formats (read only through state_formats.h).
+enum class Storage : uint8_t { kFloat32, kFloat16, kBFloat16, kFloat8E4M3, kInt8, kUInt8, kInt16 };
 
 struct WorkUnit {
   int64_t tensor;  // index into the lists

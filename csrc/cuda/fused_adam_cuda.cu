@@ -36,8 +36,7 @@ void fused_adam_cuda(
   const at::Device device = step.device();
   validate_fused_adam(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      lr, beta1, beta2, eps,
-      weight_decay, inv_scale, found_inf, device);
+      lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf, device);
   refuse_state_formats(
       "fused_adam_", "CUDA", params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
       master_remainders);

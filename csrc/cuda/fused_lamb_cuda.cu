@@ -131,8 +131,7 @@ void fused_lamb_cuda(
   const at::Device device = step.device();
   validate_fused_lamb(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      grad_norm, lr, beta1, beta2, eps,
-      weight_decay, max_grad_norm, inv_scale, found_inf, device);
+      grad_norm, lr, beta1, beta2, eps, weight_decay, max_grad_norm, inv_scale, found_inf, device);
   refuse_state_formats(
       "fused_lamb_", "CUDA", params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
       master_remainders);

@@ -63,8 +63,7 @@ void fused_novograd_cuda(
   const at::Device device = step.device();
   validate_fused_novograd(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      lr, beta1, beta2, eps, weight_decay,
-      norm_type, inv_scale, found_inf, device);
+      lr, beta1, beta2, eps, weight_decay, norm_type, inv_scale, found_inf, device);
   refuse_state_formats("fused_novograd_", "CUDA", params, {{"exp_avgs", exp_avgs}}, master_remainders);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -37,8 +37,7 @@ void fused_sgd_cuda(
   const at::Device device = params[0].device();
   validate_fused_sgd(
       params, grads, momentum_buffers, model_params, master_remainders, state_absmaxes, lr,
-      momentum, dampening, weight_decay, nesterov,
-      inv_scale, found_inf, device);
+      momentum, dampening, weight_decay, nesterov, inv_scale, found_inf, device);
   refuse_state_formats(
       "fused_sgd_", "CUDA", params, {{"momentum_buffers", momentum_buffers}}, master_remainders);
   const c10::cuda::CUDAGuard device_guard(device);
