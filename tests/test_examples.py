@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from _state_backend import formats_backend  # noqa: F401  (a fixture)
-
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -132,8 +130,7 @@ def test_train_digits_fp8_adds_an_fp8_row_with_its_gemm_errors(tmp_path, one_thr
     assert all(row["half"] < row["fp8"] < 0.3 for row in fp8["gemm_errors"])
 
 
-def test_transformer_example_with_int8_state_and_remainder_masters_holds_about_8_bytes_per_parameter(
-        formats_backend):
+def test_transformer_example_with_int8_state_and_remainder_masters_holds_about_8_bytes_per_parameter():
     transformer = _load_transformer()
     result = transformer.main(["--quick", "--state-precision", "int8", "--master-weights", "remainder",
                                "--no-progress"])

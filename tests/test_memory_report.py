@@ -6,11 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from _state_backend import formats_backend  # noqa: F401  (a fixture)
 from apex_amp import amp, memory_report
 from apex_amp.optimizers import FusedAdam
-
-pytestmark = pytest.mark.usefixtures("formats_backend")
 
 
 def o2_bf16(state_precision="fp32", master_weights=None):

@@ -11,13 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from _state_backend import formats_backend  # noqa: F401  (a fixture)
 from apex_amp import amp
 from apex_amp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 from apex_amp.optimizers.fused_optimizer import AmpStepArgs
 from apex_amp.optimizers.state_formats import join_master, split_master
-
-pytestmark = pytest.mark.usefixtures("formats_backend")
 
 FAMILY = {
     "FusedAdam": lambda params, **kw: FusedAdam(params, lr=1e-2, weight_decay=0.01, **kw),

@@ -12,12 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from _state_backend import formats_backend  # noqa: F401  (a fixture)
 from apex_amp.optimizers import FusedAdam, FusedSGD
 from apex_amp.optimizers.state_conversion import fp32_state_dict, torch_adamw_state_dict
 from apex_amp.optimizers.state_formats import dequantize, join_master, quantize
-
-pytestmark = pytest.mark.usefixtures("formats_backend")
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,13 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from _state_backend import formats_backend  # noqa: F401  (a fixture)
 from apex_amp.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad,
                                  FusedSGD)
 from apex_amp.optimizers.fused_optimizer import AmpStepArgs
 from apex_amp.optimizers.state_formats import dequantize, quantize, state_layout
-
-pytestmark = pytest.mark.usefixtures("formats_backend")
 
 # name -> (factory, {state key: never negative})
 FAMILY = {

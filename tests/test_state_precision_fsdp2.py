@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 
 from _launch import launch
-from _state_backend import formats_backend  # noqa: F401  (a fixture)
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("formats_backend"),
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp.py"
