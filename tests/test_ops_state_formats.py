@@ -33,7 +33,8 @@ SIZES = [
     ("one-block", [(1, BLOCK)]),
     ("blocks-odd-rows", [(33, BLOCK), (7, 2 * BLOCK)]),
 ]
-BIG = ("units", [(300, BLOCK)])  # 19200 elements: two units
+BIG = [("units", [(300, BLOCK)]),     # 19200 elements: two units
+       ("threads", [(1100, BLOCK)])]  # 70400 elements: five units, shared among the threads
 
 
 def _backend_ops(backend: str):
@@ -70,17 +71,26 @@ def test_every_grad_dtype_and_model_copy_with_formatted_states(backend, rule, fm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("size", BIG, ids=[s[0] for s in BIG])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int8"])
 @pytest.mark.parametrize("rule", STATEFUL)
-def test_formatted_states_over_more_than_one_work_unit(backend, rule, fmt):
-    _run_recipe(_backend_ops(backend), steps.RULES[rule], BIG[1], fmt, seed=5)
+def test_formatted_states_over_more_than_one_work_unit(backend, rule, fmt, size):
+    _run_recipe(_backend_ops(backend), steps.RULES[rule], size[1], fmt, seed=5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rule", [*STATEFUL, "plain_sgd"])
+def test_remainder_masters_over_units_and_threads(backend, rule):
+    _run_recipe(_backend_ops(backend), steps.RULES[rule], BIG[1][1], "int8", remainder=True, seed=6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("rule", [*STATEFUL, "plain_sgd"])
-def test_remainder_masters_step_as_their_joined_fp32_masters(backend, rule, fmt):
-    _run_recipe(_backend_ops(backend), steps.RULES[rule], SIZES[2][1], fmt, grad_dtype=torch.bfloat16,
+def test_remainder_masters_step_as_their_joined_fp32_masters(backend, rule, fmt, grad_dtype):
+    _run_recipe(_backend_ops(backend), steps.RULES[rule], SIZES[2][1], fmt, grad_dtype=grad_dtype,
                 remainder=True, seed=7)
 
 
