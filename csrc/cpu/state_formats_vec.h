@@ -138,20 +138,38 @@ inline bool any(Mask m) { return m != 0; }
 inline FVec select_f(Mask m, FVec if_false, FVec if_true) { return _mm512_mask_blend_ps(m, if_false, if_true); }
 inline IVec select_i(Mask m, IVec if_false, IVec if_true) { return _mm512_mask_blend_epi32(m, if_false, if_true); }
 
-// table[index] for index in [0, kEntries), kEntries a power of two <= 256:
-// permutes over the table's 32-entry slices (the table stays in registers
-// across a block), then blends on the index's higher bits.
+// table[index] for index in [0, kEntries), kEntries a power of two <= 256,
+// from the table held in registers: a permute over each 32-entry slice, then
+// blends on the index's higher bits.
 template <int kEntries>
-inline FVec lookup(const float* table, IVec index) {
-  if constexpr (kEntries <= 32) {
-    return _mm512_permutex2var_ps(_mm512_loadu_ps(table), index, _mm512_loadu_ps(table + 16));
+inline FVec pick(const FVec* regs, IVec index) {
+  if constexpr (kEntries <= 16) {
+    return _mm512_permutexvar_ps(index, regs[0]);
+  } else if constexpr (kEntries == 32) {
+    return _mm512_permutex2var_ps(regs[0], index, regs[1]);
   } else {
     constexpr int kHalf = kEntries / 2;
-    const FVec low = lookup<kHalf>(table, index);
-    const FVec high = lookup<kHalf>(table + kHalf, index);
+    const FVec low = pick<kHalf>(regs, index);
+    const FVec high = pick<kHalf>(regs + kHalf / 16, index);
     return _mm512_mask_blend_ps(_mm512_test_epi32_mask(index, _mm512_set1_epi32(kHalf)), low, high);
   }
 }
+
+// A table of kEntries floats, loaded into registers once per block (a loop
+// that stores through a float or byte pointer could not keep it there itself).
+template <int kEntries>
+struct Table {
+  static constexpr int kRegs = kEntries <= 16 ? 1 : kEntries / 16;
+  FVec regs[kRegs];
+  explicit Table(const float* table) {
+    for (int r = 0; r < kRegs; ++r) {
+      regs[r] = _mm512_loadu_ps(table + 16 * r);
+    }
+  }
+  FVec operator()(IVec index) const {
+    return pick<kEntries>(regs, index);
+  }
+};
 
 inline IVec load_bytes(const void* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
@@ -210,10 +228,15 @@ inline FVec select_f(Mask m, FVec if_false, FVec if_true) {
 }
 inline IVec select_i(Mask m, IVec if_false, IVec if_true) { return _mm256_blendv_epi8(if_false, if_true, m); }
 
+// A table of kEntries floats, read by gathers.
 template <int kEntries>
-inline FVec lookup(const float* table, IVec index) {
-  return _mm256_i32gather_ps(table, index, 4);
-}
+struct Table {
+  const float* table;
+  explicit Table(const float* t) : table(t) {}
+  FVec operator()(IVec index) const {
+    return _mm256_i32gather_ps(table, index, 4);
+  }
+};
 
 inline IVec load_bytes(const void* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
@@ -249,8 +272,9 @@ inline void store_halves(void* p, IVec v) {
 inline void dequantize_lanes(const float* table, const void* codes, float scale, int64_t n, float* values) {
   const auto* bytes = static_cast<const uint8_t*>(codes);
   const FVec factor = set_f(scale);
+  const Table<256> lookup(table);
   for (int64_t i = 0; i < n; i += kLanes) {
-    store_f(values + i, mul_f(lookup<256>(table, load_bytes(bytes + i)), factor));
+    store_f(values + i, mul_f(lookup(load_bytes(bytes + i)), factor));
   }
 }
 
@@ -308,25 +332,40 @@ inline IVec fp8_codes(FVec value) {
   return or_i(code, shr_i<24>(sign));
 }
 
-// The branch-free count of midpoints below x (nearest_entry).
-inline IVec nearest_entries(const SearchTables& t, FVec x) {
-  IVec index = set_i(0);
-  const auto step = [&](auto level) {
-    constexpr int kLevel = decltype(level)::value;
-    constexpr int kEntries = (1 << kLevel) < 32 ? 32 : (1 << kLevel);
-    const FVec candidate = lookup<kEntries>(t.levels[kLevel], shr_i<8 - kLevel>(index));
-    index = select_i(lt_f(candidate, x), index, add_i(index, set_i(128 >> kLevel)));
-  };
-  step(std::integral_constant<int, 0>{});
-  step(std::integral_constant<int, 1>{});
-  step(std::integral_constant<int, 2>{});
-  step(std::integral_constant<int, 3>{});
-  step(std::integral_constant<int, 4>{});
-  step(std::integral_constant<int, 5>{});
-  step(std::integral_constant<int, 6>{});
-  step(std::integral_constant<int, 7>{});
-  return index;
+// The branch-free count of midpoints below x (nearest_entry): step kLevel
+// settles bit 7 - kLevel of the index.
+template <int kLevel, typename TableT>
+inline IVec search_step(const TableT& candidates, FVec x, IVec index) {
+  const FVec candidate = candidates(shr_i<8 - kLevel>(index));
+  return select_i(lt_f(candidate, x), index, add_i(index, set_i(128 >> kLevel)));
 }
+
+struct NearestEntry {
+  Table<1> l0;
+  Table<2> l1;
+  Table<4> l2;
+  Table<8> l3;
+  Table<16> l4;
+  Table<32> l5;
+  Table<64> l6;
+  Table<128> l7;
+
+  explicit NearestEntry(const SearchTables& t)
+      : l0(t.levels[0]), l1(t.levels[1]), l2(t.levels[2]), l3(t.levels[3]), l4(t.levels[4]),
+        l5(t.levels[5]), l6(t.levels[6]), l7(t.levels[7]) {}
+
+  IVec operator()(FVec x) const {
+    IVec index = set_i(0);
+    index = search_step<0>(l0, x, index);
+    index = search_step<1>(l1, x, index);
+    index = search_step<2>(l2, x, index);
+    index = search_step<3>(l3, x, index);
+    index = search_step<4>(l4, x, index);
+    index = search_step<5>(l5, x, index);
+    index = search_step<6>(l6, x, index);
+    return search_step<7>(l7, x, index);
+  }
+};
 
 // quantize_block's codes, n a multiple of kLanes, with the block's scale.
 inline void quantize_lanes(StateFormat format, const float* values, int64_t n, const sf::BlockScale& scale,
@@ -346,12 +385,12 @@ inline void quantize_lanes(StateFormat format, const float* values, int64_t n, c
     return;
   }
   const bool is_signed = format == StateFormat::kInt8;
-  const SearchTables& tables = is_signed ? kSignedSearch : kUnsignedSearch;
+  const NearestEntry nearest_entry(is_signed ? kSignedSearch : kUnsignedSearch);
   const FVec low = set_f(is_signed ? -1.f : 0.f);
   const IVec zero_index = set_i(is_signed ? sf::kSignedZeroIndex : 0);
   const IVec byte = set_i(0xFF);
   for (int64_t i = 0; i < n; i += kLanes) {
-    const IVec index = nearest_entries(tables, scaled_unit(load_f(values + i), inv, low));
+    const IVec index = nearest_entry(scaled_unit(load_f(values + i), inv, low));
     store_bytes(bytes + i, and_i(sub_i(index, zero_index), byte));
   }
 }
