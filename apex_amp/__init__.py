@@ -11,5 +11,6 @@ Example::
 __version__ = "0.1.0"
 
 from . import amp, ops, optimizers  # noqa: E402
+from .memory import MemoryReport, memory_report  # noqa: E402
 
-__all__ = ["amp", "ops", "optimizers", "__version__"]
+__all__ = ["amp", "ops", "optimizers", "memory_report", "MemoryReport", "__version__"]

@@ -5,13 +5,16 @@
     python examples/transformer.py --accumulate 4 --json runs/lm.json
     python examples/transformer.py --half-dtype float16 --quick    # fp16 with dynamic loss scaling (slow on CPU)
     python examples/transformer.py --fp8                           # O2 with fp8 GEMMs in the Linears
+    python examples/transformer.py --state-precision int8 --master-weights remainder   # ~8 bytes/param
 
 The model reads characters: its text is the docstrings of the Python standard library,
 parsed from the stdlib's source files at run time (every CPython ships them; nothing is
 downloaded), or any text file given with --text. Each optimizer step accumulates the
 gradients of --accumulate micro-batches (the first ones with ``delay_unscale=True``, as
 apex users did), clips their norm on ``amp.master_params(optimizer)`` and steps FusedAdam.
-After every epoch it prints the training loss and the held-out loss and perplexity.
+After every epoch it prints the training loss and the held-out loss and perplexity; at the
+end, the bytes per parameter of weights, gradients, masters and optimizer state, measured in
+the last step (``apex_amp.memory_report``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from apex_amp import amp
+from apex_amp import amp, memory_report
 from apex_amp.amp import casting
 from apex_amp.optimizers import FusedAdam
 
@@ -178,6 +181,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="2 epochs of 6 steps, batch 8, context 32, one layer, 64 held-out windows: a smoke test")
     parser.add_argument("--fp8", action="store_true",
                         help="fp8 GEMMs in the feed-forward Linears and the head (amp.initialize(..., fp8=True))")
+    parser.add_argument("--state-precision", default="fp32", choices=["fp32", "bf16", "fp8", "int8"],
+                        help="FusedAdam's moments (default: %(default)s; docs/low_precision_state.md)")
+    parser.add_argument("--master-weights", default="fp32", choices=["fp32", "remainder"],
+                        help="O2's masters: fp32 copies, or bf16 weights plus 16-bit remainders (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this file")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     args = parser.parse_args(argv)
@@ -193,16 +200,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--d-model {args.d_model} must be a multiple of 8 and of --heads {args.heads}")
     if args.clip <= 0 or args.lr <= 0:
         parser.error("--clip and --lr must be positive")
+    if args.master_weights == "remainder" and (args.opt_level != "O2" or args.half_dtype != "bfloat16"):
+        parser.error("--master-weights remainder needs --opt-level O2 and --half-dtype bfloat16")
     return args
 
 
 def train(args: argparse.Namespace, train_ids: torch.Tensor, val_ids: torch.Tensor) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     model = make_model(args.d_model, args.heads, args.layers, args.context)
-    optimizer = FusedAdam(model.parameters(), lr=args.lr, weight_decay=0.01)
+    optimizer = FusedAdam(model.parameters(), lr=args.lr, weight_decay=0.01, state_precision=args.state_precision)
+    masters = {"master_weights": "remainder"} if args.master_weights == "remainder" else {}
     model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level,
                                       half_dtype=HALF_DTYPES[args.half_dtype], verbosity=0,
-                                      **({"fp8": True} if args.fp8 else {}))
+                                      **({"fp8": True} if args.fp8 else {}), **masters)
     total_steps = args.epochs * args.steps_per_epoch
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total_steps,
                                                     pct_start=0.1)
@@ -216,7 +226,7 @@ def train(args: argparse.Namespace, train_ids: torch.Tensor, val_ids: torch.Tens
                disable=not args.progress, dynamic_ncols=True)
     for epoch in range(1, args.epochs + 1):
         start, train_loss = time.perf_counter(), torch.zeros(())
-        for _ in range(args.steps_per_epoch):
+        for step_index in range(args.steps_per_epoch):
             for micro in range(args.accumulate):
                 starts = torch.randint(0, last_start, (args.batch_size,), generator=windows)
                 loss = lm_loss(model, *batch_of_windows(train_ids, starts, args.context)) / args.accumulate
@@ -226,6 +236,8 @@ def train(args: argparse.Namespace, train_ids: torch.Tensor, val_ids: torch.Tens
                 train_loss += loss.detach().float()
             # After scale_loss has exited, the master gradients hold their true values: clip those.
             nn.utils.clip_grad_norm_(amp.master_params(optimizer), args.clip)
+            if epoch == args.epochs and step_index == args.steps_per_epoch - 1:
+                memory = memory_report(model, optimizer)  # the peak: gradients and state both exist
             optimizer.step()
             optimizer.zero_grad()
             if amp.step_was_skipped(optimizer):
@@ -250,6 +262,8 @@ def train(args: argparse.Namespace, train_ids: torch.Tensor, val_ids: torch.Tens
     return {"opt_level": args.opt_level, "gemm_errors": gemm_errors, "half_dtype": args.half_dtype, "fp8": args.fp8, "precision": precision,
             "initial_val_loss": initial_val,
             "epochs": epochs, "final_loss_scale": amp.loss_scale(), "skipped_steps": skipped,
+            "memory": {"total": memory.per_parameter(), **{k: memory.per_parameter(k) for k in memory.bytes}},
+            "memory_table": str(memory),
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -278,6 +292,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
           f"{last['train_loss']:.3f}, held-out loss {result['initial_val_loss']:.3f} -> {last['val_loss']:.3f} "
           f"(perplexity {last['val_perplexity']:.2f}), loss scale {result['final_loss_scale']:g}, "
           f"skipped steps {result['skipped_steps']}, {result['seconds']:.1f} s")
+    print(f"bytes per parameter in the last step (FusedAdam state {args.state_precision}, masters "
+          f"{args.master_weights}):")
+    print(result["memory_table"])
     if result["gemm_errors"]:
         print(f"relative error of the GEMMs on one held-out batch (vs fp64): fp8 as trained, and {args.half_dtype}")
         print(gemm_error_table(result["gemm_errors"], args.half_dtype))

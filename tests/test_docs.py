@@ -32,6 +32,9 @@ INCLUDE = re.compile(r"^```\{include\}\s+(?P<path>\S+)", re.M)
 API_PAGES = {
     "apex_amp.amp": "api/amp.html",
     "apex_amp.optimizers": "api/optimizers.html",
+    "apex_amp.optimizers.state_formats": "api/optimizers.html",
+    "apex_amp.optimizers.state_conversion": "api/optimizers.html",
+    "apex_amp.memory": "api/memory.html",
     "apex_amp.ops": "api/ops.html",
     "apex_amp.integrations.lightning": "api/integrations.html",
     "apex.parallel": "api/compat_apex.html",

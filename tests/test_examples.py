@@ -128,3 +128,15 @@ def test_train_digits_fp8_adds_an_fp8_row_with_its_gemm_errors(tmp_path, one_thr
     assert gemms == {(layer, gemm) for layer in ("0", "3") for gemm in ("forward", "input grad", "weight grad")}
     # fp8 is far less exact than bf16, and still close: the errors are real measurements
     assert all(row["half"] < row["fp8"] < 0.3 for row in fp8["gemm_errors"])
+
+
+def test_transformer_example_with_int8_state_and_remainder_masters_holds_about_8_bytes_per_parameter():
+    transformer = _load_transformer()
+    result = transformer.main(["--quick", "--state-precision", "int8", "--master-weights", "remainder",
+                               "--no-progress"])
+    last = result["epochs"][-1]
+    assert last["val_loss"] < result["initial_val_loss"] - 0.8, result
+    # bf16 weights and gradients (2 + 2), remainders (2), int8 moments (2 + 1/32); the small
+    # tensors (norms, biases) keep fp32 state, the step count adds a few bytes.
+    assert result["memory"]["masters"] == pytest.approx(2.0, abs=0.01)
+    assert 8.0 < result["memory"]["total"] < 8.6, result["memory"]

@@ -11,6 +11,7 @@ from torch import nn
 from apex_amp import amp
 from apex_amp.amp import opt_levels
 from apex_amp.amp.recipe import OpCategory, Recipe
+from apex_amp.optimizers import FusedSGD
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -93,7 +94,7 @@ _NOT_O2 = {
     "cast_model_outputs": FP16, "min_loss_scale": 0.5, "max_loss_scale": 2.0**20, "scale_window": 7,
     "hysteresis": 3, "num_losses": 2, "allow_banned": True, "collapse_warn_steps": 4,
     "collapse_raise_steps": 9, "consecutive_hysteresis": False, "fp8": "an Fp8Recipe",
-    "fp8_refusal": "a refusal of its own",
+    "fp8_refusal": "a refusal of its own", "remainder_masters": True,
 }
 
 
@@ -107,7 +108,7 @@ def test_every_field_of_a_custom_recipe_survives_initialize():
     custom = dataclasses.replace(opt_levels.O2, **values)
     assert all(getattr(custom, name) != getattr(opt_levels.O2, name) for name in fields)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = FusedSGD(model.parameters(), lr=0.1)  # remainder masters need a fused optimizer
     try:
         amp.initialize(model, optimizer, opt_level=custom, verbosity=0)
         kept = sessions.session_for(optimizer).properties

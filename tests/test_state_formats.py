@@ -131,3 +131,11 @@ def test_split_master_weight_is_the_nearest_bf16(values):
         low_bits = master.view(torch.int32)[differs] & 0xFFFF
         assert bool((low_bits == 0x8000).all()), "only exact ties may round differently"
     assert bool((weight.float() - master).abs().le((nearest.float() - master).abs()).all())
+
+
+@pytest.mark.parametrize("dtype", BLOCKED)
+@pytest.mark.parametrize("shape", [(0,), (0, 64), (4, 0)])
+def test_empty_tensors_round_trip(dtype, shape):
+    codes, absmax = quantize(torch.zeros(shape), dtype, 32)
+    assert codes.shape == shape and codes.dtype == dtype and absmax.numel() == 0
+    assert dequantize(codes, absmax).shape == shape

@@ -23,6 +23,7 @@ from .distributed import check_sharded_models, distributed_ready, note_ddp_wrapp
 from .fp8_training import plan_fp8, start_fp8
 from .fsdp2 import refuse_late_sharding
 from .master_weights import attach_masters
+from ..optimizers.fused_optimizer import FusedOptimizer
 from .._dtypes import HALF_DTYPES
 from ..fp8 import Fp8Recipe
 from .opt_levels import recipe_for
@@ -139,6 +140,16 @@ HALF_DTYPE_VARIABLE = "APEX_AMP_HALF_DTYPE"
 _HALF_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _check_remainder_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
+    # Before anything changes: only a fused optimizer keeps remainders and joins them in its step.
+    others = [type(o).__name__ for o in optimizers if not isinstance(o, FusedOptimizer)]
+    if others:
+        raise ValueError(
+            f"master_weights='remainder' needs apex_amp's fused optimizers, which keep each master's low half "
+            f"in their state and rebuild the exact fp32 master in their step; got {others}. Use "
+            "apex_amp.optimizers.FusedAdam (FusedSGD, FusedLAMB, ...), or master_weights=True")
+
+
 def _half_dtype(half_dtype: Optional[torch.dtype], opt_level: Any) -> Optional[torch.dtype]:
     # An explicit argument wins over the environment; the environment over the level's fp16 (None
     # keeps the recipe's). A Recipe of the user's own states its half dtype: the environment,
@@ -230,7 +241,7 @@ def initialize(
     cast_model_type: Optional[torch.dtype] = None,
     patch_torch_functions: Optional[bool] = None,
     keep_batchnorm_fp32: Optional[bool] = None,
-    master_weights: Optional[bool] = None,
+    master_weights: Optional[bool | str] = None,
     loss_scale: Any = None,
     cast_model_outputs: Optional[torch.dtype] = None,
     num_losses: Optional[int] = None,
@@ -265,7 +276,9 @@ def initialize(
         cast_model_type: override of the dtype the model is cast to (O0/O2/O3).
         patch_torch_functions: override of O1's per-op casting (only O1 may enable it).
         keep_batchnorm_fp32: keep batchnorm layers fp32 in a half model (O2/O3).
-        master_weights: keep fp32 master weights for the optimizer (O2/O3).
+        master_weights: keep fp32 master weights for the optimizer (O2/O3); ``"remainder"`` (O2 with
+            ``half_dtype=torch.bfloat16``, fused optimizers only): no fp32 copies, each bf16 weight is
+            the high half of its fp32 master and the optimizer keeps the low half in its state.
         loss_scale: "dynamic" or a number (strings of numbers too).
         cast_model_outputs: dtype the model's floating outputs are cast to.
         num_losses: number of losses, each with its own scaler (``loss_id`` in ``scale_loss``); 1 at O0-O3.
@@ -357,6 +370,8 @@ def initialize(
         )
     _check_materialized(model_list)
     _check_fp32_params(model_list)
+    if recipe.remainder_masters:
+        _check_remainder_optimizers(optimizer_list)
     _check_each_param_in_one_optimizer(model_list, optimizer_list)
     sharded_group, fsdp2 = check_sharded_models(model_list, optimizer_list, recipe)
     _check_optimizers_train_the_models(model_list, optimizer_list)
@@ -370,6 +385,9 @@ def initialize(
             _announce(notice)
 
     fp32_values = _master_snapshots(recipe, optimizer_list, fsdp2)
+    # master_weights="remainder": the fp32 values the bf16 weights and remainders are split from.
+    remainder_masters = {p: p.detach().clone() for o in optimizer_list for p in _optimizer_params(o)
+                         if p.dtype == torch.float32} if recipe.remainder_masters else {}
     session = AmpSession(recipe, device, verbosity)
     session.overflow_group = sync_group
     session.fsdp2 = fsdp2
@@ -385,10 +403,13 @@ def initialize(
     for optimizer in optimizer_list:
         links = attach_masters(optimizer, fp32_value_of=lambda p: fp32_values.get(id(p))) \
             if recipe.master_weights else []
+        if recipe.remainder_masters:
+            optimizer.use_remainder_masters(remainder_masters)
         wrapper = wrapper_of.get(id(optimizer))
         session.add_optimizer(optimizer, links, wrapped=wrapper is not None)
         attach_stash(optimizer, session.lifecycle_of(optimizer), recipe.master_weights, also_on=wrapper)
     fp32_values.clear()  # the snapshots now live on as masters, or not at all
+    remainder_masters.clear()
     if fp8_plan is not None:
         # The data-parallel ranks agree on the amaxes over the group they agree on skips, else all ranks.
         fp8_group = sync_group if sync_group is not None else (

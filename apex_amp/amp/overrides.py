@@ -175,6 +175,8 @@ def _keep_batchnorm(level: Recipe, recipe: Recipe, keep_batchnorm_fp32: Any) -> 
 
 
 def _master_weights(level: Recipe, recipe: Recipe, master_weights: Any) -> dict[str, Any]:
+    if isinstance(master_weights, str) and master_weights == "remainder":
+        return _remainder_masters(level, recipe)
     masters = _parse_bool_or_none("master_weights", master_weights)
     if masters is None:
         return {}
@@ -189,6 +191,20 @@ def _master_weights(level: Recipe, recipe: Recipe, master_weights: Any) -> dict[
             f"{recipe.cast_model_type}; use O2"
         )
     return {"master_weights": masters}
+
+
+def _remainder_masters(level: Recipe, recipe: Recipe) -> dict[str, Any]:
+    if level.patch_torch_functions or not recipe.casts_model_to_half:
+        raise ValueError(
+            f"master_weights='remainder' is not valid with {level.opt_level}: it keeps the fp32 masters of a "
+            "bf16 model as the model's weights plus 16-bit remainders; use opt_level='O2' with "
+            "half_dtype=torch.bfloat16")
+    if recipe.cast_model_type != torch.bfloat16:
+        raise ValueError(
+            f"master_weights='remainder' needs a bf16 model, got {recipe.cast_model_type}: a bf16 weight is the "
+            "high half of its fp32 master (the remainder is the low half), but fp16 is not the high half of "
+            "fp32; pass half_dtype=torch.bfloat16, or master_weights=True for fp16")
+    return {"master_weights": False, "remainder_masters": True}
 
 
 def _loss_scaling(

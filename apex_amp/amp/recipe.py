@@ -82,6 +82,9 @@ class Recipe:
     consecutive_hysteresis: bool = True
     fp8: Optional[Fp8Recipe] = None  # fp8 GEMMs for the eligible nn.Linear layers
     fp8_refusal: Optional[str] = None  # why this level cannot train with fp8 (None: it can)
+    # master_weights="remainder": no fp32 copies; each bf16 weight is the high half of its fp32
+    # master and the fused optimizer keeps the low half (state "master_remainder").
+    remainder_masters: bool = False
 
     # ---- the model -------------------------------------------------------------------
     @property
@@ -145,6 +148,10 @@ class Recipe:
     # ---- FSDP2 -----------------------------------------------------------------------
     def fsdp2_refusal(self) -> Optional[str]:
         """Why this recipe has no form under ``fully_shard``, or None."""
+        if self.remainder_masters:
+            return ("master_weights='remainder' has no form under fully_shard: FSDP2 keeps the sharded parameters "
+                    "in fp32, which are the masters already (all-gathered in bf16 for compute); use "
+                    "master_weights=True (O2's default) with a low state_precision to save memory there")
         if self.casts_model_to_half and not self.master_weights:
             return (
                 f"opt_level={self.opt_level} without master weights (half weights, no fp32 copy) has no form under "
@@ -184,7 +191,7 @@ class Recipe:
             f"  cast_model_type       : {self.cast_model_type}",
             f"  patch_torch_functions : {self.patch_torch_functions}",
             f"  keep_batchnorm_fp32   : {self.keep_batchnorm_fp32}",
-            f"  master_weights        : {self.master_weights}",
+            f"  master_weights        : {'remainder' if self.remainder_masters else self.master_weights}",
             f"  loss_scale            : {scale}",
             f"  gradient checks       : {'on (non-finite steps are skipped)' if self.check_finite else 'off'}",
         ]

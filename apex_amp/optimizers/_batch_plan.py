@@ -1,4 +1,5 @@
-"""The batches of a param group's fused step, worked out once and reused while nothing they depend on changes.
+"""The batches of a param group's fused step (:class:`FusedBatch`), worked out once and reused
+while nothing they depend on changes.
 
 Building a step's batches walks every parameter in Python: its gradient, its model copy, its
 state (created on first sight), DTensor shards, the merge of fp32 params into the batch with
@@ -15,11 +16,70 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional
 
+import torch
 from torch import Tensor
 
-__all__ = ["BatchPlan", "copy_of_step"]
+__all__ = ["BatchPlan", "FusedBatch", "copy_of_step", "merge_fp32_into_copy_batches"]
 
 _NO_STATE: dict[str, Any] = {}
+
+
+@dataclasses.dataclass
+class FusedBatch:
+    """The tensors of one op call: one param group, one device, with or without a model copy.
+
+    ``owners`` are the optimizer's params (whose state the batch holds), ``params`` what is
+    updated (the params, or optimizer-owned masters), ``states`` the per-element state lists by
+    key, ``absmaxes`` their per-block absmaxes (numel 0 for a state that has none),
+    ``master_remainders`` the int16 low halves of remainder masters (one per param, or none),
+    ``new_state`` whether each param's state was created for this step. DTensors (FSDP2)
+    are their local shards: the ops are elementwise per tensor.
+    """
+
+    device: torch.device
+    owners: list[Tensor] = dataclasses.field(default_factory=list)
+    params: list[Tensor] = dataclasses.field(default_factory=list)
+    grads: list[Tensor] = dataclasses.field(default_factory=list)
+    states: dict[str, list[Tensor]] = dataclasses.field(default_factory=dict)
+    model_params: list[Tensor] = dataclasses.field(default_factory=list)
+    new_state: list[bool] = dataclasses.field(default_factory=list)
+    step: Optional[Tensor] = None  # the group's step count (optimizers that count steps)
+    absmaxes: dict[str, list[Optional[Tensor]]] = dataclasses.field(default_factory=dict)  # None: not blocked
+    master_remainders: list[Tensor] = dataclasses.field(default_factory=list)
+
+    def state_absmaxes(self, indices: Optional[list[int]] = None) -> list[Tensor]:
+        """The ops' ``state_absmaxes``: state-list-major, for the params at ``indices`` (default all),
+        numel-0 tensors for the states that are not blocked; [] when none is."""
+        lists = [self.absmaxes[key] for key in self.states]
+        if indices is not None:
+            lists = [[absmaxes[i] for i in indices] for absmaxes in lists]
+        if all(t is None for absmaxes in lists for t in absmaxes):
+            return []
+        return [torch.empty(0, device=self.device) if t is None else t for absmaxes in lists for t in absmaxes]
+
+
+# fp32 params without a model copy join the batch of those with one (typically the fp32
+# BatchNorm params next to O2's half model params), each passed as its own model copy: the
+# ops allow model_params[i] to be params[i] and write the same value twice, to cache lines
+# just written, which costs less than the fixed overhead of a second call and a copy of the
+# step (benchmarks/README.md has the measurement).
+def merge_fp32_into_copy_batches(batches: dict[tuple[torch.device, bool, bool], FusedBatch]) -> list[FusedBatch]:
+    for device in {device for device, _, _ in batches}:
+        with_copy, without = batches.get((device, True, False)), batches.get((device, False, False))
+        if with_copy is None or without is None:
+            continue
+        if any(t.dtype != torch.float32 for t in without.params):
+            continue  # a half param without a master cannot have a model copy: two calls
+        with_copy.owners += without.owners
+        with_copy.params += without.params
+        with_copy.grads += without.grads
+        for name in with_copy.states:
+            with_copy.states[name] += without.states[name]
+            with_copy.absmaxes[name] += without.absmaxes[name]
+        with_copy.model_params += without.params
+        with_copy.new_state += without.new_state
+        del batches[(device, False, False)]
+    return list(batches.values())
 
 
 def copy_of_step(step: Tensor, device: Any) -> Tensor:

@@ -7,7 +7,7 @@ csrc/cuda/fused_adagrad_cuda.cu.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -91,6 +91,17 @@ class FusedAdagrad(FusedOptimizer):
         weight_decay: weight decay factor.
         set_grad_none: ``zero_grad()`` sets gradients to None (else zeroes them).
         adagrad_w_mode: decoupled weight decay (added to the update) instead of L2 (added to the gradient).
+        master_weights: keep fp32 master copies of fp16/bf16 parameters in the
+            optimizer state (without amp); the half parameters are rewritten in
+            the same pass. ``"remainder"``: for bf16 parameters, keep only the low
+            16 bits of each fp32 master (``master_remainder``, int16): the bf16
+            parameter is its high half, so the master is exact in 2 bytes instead of 4.
+        state_precision: how the per-element state is stored: ``"fp32"`` (default), ``"bf16"``,
+            ``"fp8"`` or ``"int8"`` (docs/low_precision_state.md); also a param-group key.
+        state_block_size: the largest block of fp8/int8 state sharing one fp32 absmax (a power
+            of two in [32, 4096], default 256); also a param-group key.
+        min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
+            keep fp32 state (default 4096); also a param-group key.
 
     Example::
 
@@ -98,6 +109,7 @@ class FusedAdagrad(FusedOptimizer):
     """
 
     STATE_KEYS = ("sum",)
+    NONNEGATIVE_STATE_KEYS = frozenset({"sum"})
 
     def __init__(
         self,
@@ -107,6 +119,10 @@ class FusedAdagrad(FusedOptimizer):
         weight_decay: float = 0.0,
         set_grad_none: bool = True,
         adagrad_w_mode: bool = False,
+        master_weights: Union[bool, str] = False,
+        state_precision: str = "fp32",
+        state_block_size: int = 256,
+        min_quantized_numel: int = 4096,
     ) -> None:
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}; it must be >= 0")
@@ -114,7 +130,9 @@ class FusedAdagrad(FusedOptimizer):
             raise ValueError(f"Invalid epsilon value: {eps}; it must be >= 0")
         if weight_decay < 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}; it must be >= 0")
-        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay), set_grad_none=set_grad_none)
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay), set_grad_none=set_grad_none,
+                         master_weights=master_weights, state_precision=state_precision,
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
         self.adagrad_w_mode = bool(adagrad_w_mode)
 
     def _fused_step(self, group: dict[str, Any], batch: FusedBatch, amp: AmpStepArgs) -> None:
@@ -124,4 +142,5 @@ class FusedAdagrad(FusedOptimizer):
             float(group["lr"]), float(group["eps"]), float(group["weight_decay"]), self.adagrad_w_mode,
             None if amp.inv_scale is None else amp.inv_scale.to(device),
             None if amp.found_inf is None else amp.found_inf.to(device),
+            master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
         )

@@ -158,7 +158,15 @@ class FusedAdam(FusedOptimizer):
             on the device, which is what apex's capturable mode provides.
         master_weights: keep fp32 master copies of fp16/bf16 parameters in the
             optimizer state (without amp); the half parameters are rewritten in
-            the same pass.
+            the same pass. ``"remainder"``: for bf16 parameters, keep only the low
+            16 bits of each fp32 master (``master_remainder``, int16): the bf16
+            parameter is its high half, so the master is exact in 2 bytes instead of 4.
+        state_precision: how the per-element state is stored: ``"fp32"`` (default), ``"bf16"``,
+            ``"fp8"`` or ``"int8"`` (docs/low_precision_state.md); also a param-group key.
+        state_block_size: the largest block of fp8/int8 state sharing one fp32 absmax (a power
+            of two in [32, 4096], default 256); also a param-group key.
+        min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
+            keep fp32 state (default 4096); also a param-group key.
 
     Example::
 
@@ -169,6 +177,7 @@ class FusedAdam(FusedOptimizer):
     """
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq")
+    NONNEGATIVE_STATE_KEYS = frozenset({"exp_avg_sq"})
     COUNTS_STEPS = True
 
     def __init__(
@@ -183,7 +192,10 @@ class FusedAdam(FusedOptimizer):
         amsgrad: bool = False,
         set_grad_none: bool = True,
         capturable: bool = False,
-        master_weights: bool = False,
+        master_weights: Union[bool, str] = False,
+        state_precision: str = "fp32",
+        state_block_size: int = 256,
+        min_quantized_numel: int = 4096,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
@@ -197,7 +209,8 @@ class FusedAdam(FusedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}; it must be >= 0")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay)
-        super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights)
+        super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, state_precision=state_precision,
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
 
@@ -209,6 +222,7 @@ class FusedAdam(FusedOptimizer):
             lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"], adamw_mode=self.adam_w_mode,
             bias_correction=group["bias_correction"], model_params=batch.model_params,
+            master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
             inv_scale=None if amp.inv_scale is None else amp.inv_scale.to(device),
             found_inf=None if amp.found_inf is None else amp.found_inf.to(device),
         )

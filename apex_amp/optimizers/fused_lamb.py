@@ -139,6 +139,18 @@ class FusedLAMB(FusedOptimizer):
         set_grad_none: ``zero_grad()`` sets gradients to None (else zeroes them).
         max_grad_norm: clip the gradients to this global L2 norm (inf: no clipping).
         use_nvlamb: apply the trust ratio also to parameters without weight decay (NVLAMB).
+        master_weights: keep fp32 master copies of fp16/bf16 parameters in the
+            optimizer state (without amp); the half parameters are rewritten in
+            the same pass. ``"remainder"``: for bf16 parameters, keep only the low
+            16 bits of each fp32 master (``master_remainder``, int16): the bf16
+            parameter is its high half, so the master is exact in 2 bytes instead of 4.
+        master_dtypes: which param dtypes get fp32 masters under ``master_weights=True``.
+        state_precision: how the per-element state is stored: ``"fp32"`` (default), ``"bf16"``,
+            ``"fp8"`` or ``"int8"`` (docs/low_precision_state.md); also a param-group key.
+        state_block_size: the largest block of fp8/int8 state sharing one fp32 absmax (a power
+            of two in [32, 4096], default 256); also a param-group key.
+        min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
+            keep fp32 state (default 4096); also a param-group key.
 
     Example::
 
@@ -146,6 +158,7 @@ class FusedLAMB(FusedOptimizer):
     """
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq")
+    NONNEGATIVE_STATE_KEYS = frozenset({"exp_avg_sq"})
     COUNTS_STEPS = True
     UPDATES_SHARDS = False
 
@@ -164,8 +177,11 @@ class FusedLAMB(FusedOptimizer):
         max_grad_norm: float = 1.0,
         use_nvlamb: bool = False,
         *,
-        master_weights: bool = False,
+        master_weights: Union[bool, str] = False,
         master_dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16),
+        state_precision: str = "fp32",
+        state_block_size: int = 256,
+        min_quantized_numel: int = 4096,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
@@ -178,7 +194,8 @@ class FusedLAMB(FusedOptimizer):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights,
-                         master_dtypes=master_dtypes)
+                         master_dtypes=master_dtypes, state_precision=state_precision,
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
         self.adam_w_mode = bool(adam_w_mode)
         self.use_nvlamb = bool(use_nvlamb)
         self._grad_norms: dict[torch.device, Tensor] = {}
@@ -205,6 +222,7 @@ class FusedLAMB(FusedOptimizer):
             bool(group["grad_averaging"]), self.adam_w_mode, float(group["max_grad_norm"]), self.use_nvlamb,
             None if amp.inv_scale is None else amp.inv_scale.to(device),
             None if amp.found_inf is None else amp.found_inf.to(device),
+            master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
         )
 
 
@@ -226,6 +244,12 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         bias_correction: as :class:`FusedLAMB` (so are ``betas``, ``eps``, ``weight_decay``,
             ``amsgrad``, ``adam_w_mode``, ``grad_averaging``, ``max_grad_norm`` and ``use_nvlamb``).
         reduced_precision_dtype: the dtype of the parameters that get fp32 masters (None: none).
+        state_precision: how the per-element state is stored: ``"fp32"`` (default), ``"bf16"``,
+            ``"fp8"`` or ``"int8"`` (docs/low_precision_state.md); also a param-group key.
+        state_block_size: the largest block of fp8/int8 state sharing one fp32 absmax (a power
+            of two in [32, 4096], default 256); also a param-group key.
+        min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
+            keep fp32 state (default 4096); also a param-group key.
 
     Example::
 
@@ -249,13 +273,17 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         max_grad_norm: float = 1.0,
         use_nvlamb: bool = False,
         reduced_precision_dtype: Optional[torch.dtype] = None,
+        state_precision: str = "fp32",
+        state_block_size: int = 256,
+        min_quantized_numel: int = 4096,
     ) -> None:
         _check_reduced_precision_dtype(reduced_precision_dtype)
         self.initial_step = float(step)  # read by add_param_group, which the constructor calls
         super().__init__(
             params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
             amsgrad=amsgrad, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging, set_grad_none=True,
-            max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb, master_weights=True)
+            max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb, master_weights=True, state_precision=state_precision,
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
         # Read by every step, as apex's did: code that sets it after construction gets its masters.
         self.reduced_precision_dtype = reduced_precision_dtype
 

@@ -7,7 +7,7 @@ csrc/cpu/fused_novograd_cpu.cpp and csrc/cuda/fused_novograd_cuda.cu.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -144,6 +144,17 @@ class FusedNovoGrad(FusedOptimizer):
         norm_type: 2 for the L2 norm, 0 for the L-infinity norm.
         init_zero: start the second moment at 0 instead of the first gradient norm.
         set_grad_none: ``zero_grad()`` sets gradients to None (else zeroes them).
+        master_weights: keep fp32 master copies of fp16/bf16 parameters in the
+            optimizer state (without amp); the half parameters are rewritten in
+            the same pass. ``"remainder"``: for bf16 parameters, keep only the low
+            16 bits of each fp32 master (``master_remainder``, int16): the bf16
+            parameter is its high half, so the master is exact in 2 bytes instead of 4.
+        state_precision: how ``exp_avg`` is stored (the per-tensor ``exp_avg_sq`` stays fp32): ``"fp32"`` (default), ``"bf16"``,
+            ``"fp8"`` or ``"int8"`` (docs/low_precision_state.md); also a param-group key.
+        state_block_size: the largest block of fp8/int8 state sharing one fp32 absmax (a power
+            of two in [32, 4096], default 256); also a param-group key.
+        min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
+            keep fp32 state (default 4096); also a param-group key.
 
     Example::
 
@@ -168,6 +179,10 @@ class FusedNovoGrad(FusedOptimizer):
         norm_type: int = 2,
         init_zero: bool = False,
         set_grad_none: bool = True,
+        master_weights: Union[bool, str] = False,
+        state_precision: str = "fp32",
+        state_block_size: int = 256,
+        min_quantized_numel: int = 4096,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
@@ -180,11 +195,12 @@ class FusedNovoGrad(FusedOptimizer):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, grad_averaging=grad_averaging, norm_type=norm_type,
                         init_zero=init_zero)
-        super().__init__(params, defaults, set_grad_none=set_grad_none)
+        super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, state_precision=state_precision,
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
         self.reg_inside_moment = bool(reg_inside_moment)
 
-    def _new_state(self, target: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-        state = super()._new_state(target, group)
+    def _new_state(self, target: Tensor, group: dict[str, Any], layout: Any) -> dict[str, Tensor]:
+        state = super()._new_state(target, group, layout)
         start = 0.0 if group["init_zero"] else _UNSEEN
         state["exp_avg_sq"] = torch.full((1,), start, dtype=torch.float32, device=target.device)
         return state
@@ -200,4 +216,5 @@ class FusedNovoGrad(FusedOptimizer):
             int(group["norm_type"]),
             None if amp.inv_scale is None else amp.inv_scale.to(device),
             None if amp.found_inf is None else amp.found_inf.to(device),
+            master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
         )

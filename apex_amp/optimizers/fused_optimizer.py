@@ -7,7 +7,9 @@ tensors of one param group on one device. The base class owns everything
 else: grouping by device and by whether a half model copy is written, the
 state and the group's step count, the O2 model copy written in the same pass,
 optimizer-owned fp32 masters (``master_weights=True``), sparse-gradient
-refusal, ``zero_grad`` and ``load_state_dict``.
+refusal, ``zero_grad`` and ``load_state_dict``, and how the state is stored: the param
+groups' ``state_precision`` (apex_amp/optimizers/_state_storage.py) and ``master_weights=
+"remainder"`` (a bf16 param plus an int16 ``master_remainder`` is the exact fp32 master).
 
 The contract with amp is typed: amp's gradient lifecycle recognises a
 ``FusedOptimizer`` and passes :class:`AmpStepArgs` to ``step(amp=...)``
@@ -24,14 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
 
 from .._dtensor import is_dtensor, local_tensor
 from .._dtypes import HALF_DTYPES
-from ._batch_plan import BatchPlan, copy_of_step
+from . import _state_storage as storage
+from ._batch_plan import BatchPlan, FusedBatch, copy_of_step, merge_fp32_into_copy_batches
+from .state_conversion import adopt_loaded_state
+from .state_formats import split_master
 
 __all__ = ["AmpStepArgs", "FusedBatch", "FusedOptimizer"]
 
@@ -55,26 +60,6 @@ class AmpStepArgs:
     model_params: Mapping[Tensor, Tensor] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
-class FusedBatch:
-    """The tensors of one op call: one param group, one device, with or without a model copy.
-
-    ``owners`` are the optimizer's params (whose state the batch holds), ``params`` what is
-    updated (the params, or optimizer-owned masters), ``states`` the per-element state lists by
-    key, ``new_state`` whether each param's state was created for this step. DTensors (FSDP2)
-    are their local shards: the ops are elementwise per tensor.
-    """
-
-    device: torch.device
-    owners: list[Tensor] = dataclasses.field(default_factory=list)
-    params: list[Tensor] = dataclasses.field(default_factory=list)
-    grads: list[Tensor] = dataclasses.field(default_factory=list)
-    states: dict[str, list[Tensor]] = dataclasses.field(default_factory=dict)
-    model_params: list[Tensor] = dataclasses.field(default_factory=list)
-    new_state: list[bool] = dataclasses.field(default_factory=list)
-    step: Optional[Tensor] = None  # the group's step count (optimizers that count steps)
-
-
 class FusedOptimizer(torch.optim.Optimizer):
     """Base of apex_amp's fused optimizers (see the module docstring for the contract).
 
@@ -83,8 +68,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         defaults: the group hyper-parameters.
         set_grad_none: ``zero_grad()`` sets gradients to None (else zeroes them).
         master_weights: keep fp32 masters of fp16/bf16 params in the state (``master_param``),
-            updated in their place, the half param rewritten in the same pass (without amp).
+            updated in their place, the half param rewritten in the same pass (without amp);
+            ``"remainder"``: bf16 params only, the state keeps the int16 low half of each fp32
+            master (``master_remainder``), the param its high half: the exact master in 2 more
+            bytes instead of 4 (fp16 params are refused: fp16 is not the high half of fp32).
         master_dtypes: which param dtypes get such masters (default: fp16 and bf16).
+        state_precision: how per-element state is stored: ``"fp32"`` (default), ``"bf16"``,
+            ``"fp8"`` or ``"int8"`` (apex_amp/optimizers/state_formats.py); also a param-group key.
+        state_block_size: the largest block of fp8/int8 state sharing one absmax (a power of two
+            in [32, 4096]); also a param-group key.
+        min_quantized_numel: parameters with fewer elements (counted on the global, unsharded
+            shape) keep fp32 state; also a param-group key.
 
     Example::
 
@@ -96,6 +90,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     """
 
     STATE_KEYS: ClassVar[tuple[str, ...]] = ()  # per-element state, shaped and laid out like the param
+    # The per-element states that are never negative: int8 precision stores them with the unsigned map.
+    NONNEGATIVE_STATE_KEYS: ClassVar[frozenset[str]] = frozenset()
     # The step count lives in param_groups[i]["step"], as apex's FusedAdam/LAMB/NovoGrad kept it:
     # one float32 tensor per group, on the group's device, incremented by the op on the device
     # (not on a skipped step), readable and writable by LR schedulers, saved in state_dict().
@@ -112,14 +108,24 @@ class FusedOptimizer(torch.optim.Optimizer):
         defaults: dict[str, Any],
         *,
         set_grad_none: bool = True,
-        master_weights: bool = False,
+        master_weights: Union[bool, str] = False,
         master_dtypes: tuple[torch.dtype, ...] = HALF_DTYPES,
+        state_precision: str = "fp32",
+        state_block_size: int = storage.DEFAULT_BLOCK_SIZE,
+        min_quantized_numel: int = storage.DEFAULT_MIN_QUANTIZED_NUMEL,
     ) -> None:
+        if master_weights not in (True, False, "remainder"):
+            raise ValueError(f"master_weights must be True, False or 'remainder', got {master_weights!r}")
+        # Read by add_param_group, which torch's constructor calls.
+        self.remainder_masters = master_weights == "remainder"
+        self.master_weights = bool(master_weights) and not self.remainder_masters
+        self.master_dtypes = tuple(master_dtypes)
+        defaults = {**defaults, "state_precision": state_precision, "state_block_size": state_block_size,
+                    "min_quantized_numel": min_quantized_numel}
+        storage.check_group(defaults)
         super().__init__(params, defaults)
         self._group_keys = tuple(defaults)  # torch's load_state_dict adds its own keys to self.defaults
         self.set_grad_none = bool(set_grad_none)
-        self.master_weights = bool(master_weights)
-        self.master_dtypes = tuple(master_dtypes)
         # amp keeps gradients it left scaled for the fused step off the params, where zero_grad
         # cannot reach them; it follows these two counts to clear them as the clears would have
         # (any clear to None since amp took them leaves None, as PyTorch's would: see grad_clears.py).
@@ -138,6 +144,41 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self._batch_plans = {}
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's; the group's state precision keys are validated and fp16 params refused under
+        ``master_weights="remainder"``."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        storage.check_group(group)
+        if self.remainder_masters:
+            _refuse_fp16_remainders(group)
+
+    def use_remainder_masters(self, masters: Optional[Mapping[Tensor, Tensor]] = None) -> None:
+        """Keep bf16 params' fp32 masters as remainders from now on (amp's ``master_weights="remainder"``).
+
+        Args:
+            masters: ``{param: its fp32 value}`` for params just cast to bf16 (amp's O2 casts the
+                model after taking these): the param becomes the high half of that value and its
+                remainder the low half, so the master starts exactly where an fp32 copy would.
+
+        Example::
+
+            >>> optimizer.use_remainder_masters()   # as FusedAdam(..., master_weights="remainder")
+        """
+        if any("master_param" in state for state in self.state.values()):
+            raise RuntimeError(f"{type(self).__name__} already holds fp32 masters (master_weights=True); "
+                               "build it with master_weights='remainder' instead")
+        for group in self.param_groups:
+            _refuse_fp16_remainders(group)
+        self.remainder_masters, self.master_weights = True, False
+        self._batch_plans = {}
+        with torch.no_grad():
+            for param, master in (masters or {}).items():
+                if self._keeps_remainder(param):
+                    weight, remainder = split_master(master)
+                    param.copy_(weight)
+                    self.state[param]["master_remainder"] = remainder
+
     # ---- what a subclass writes ---------------------------------------------------------------
     def _fused_step(self, group: dict[str, Any], batch: FusedBatch, amp: AmpStepArgs) -> None:
         """One op call updating ``batch`` with ``group``'s hyper-parameters."""
@@ -147,14 +188,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The per-element state lists of ``group``'s op call (default: ``STATE_KEYS``)."""
         return self.STATE_KEYS
 
-    def _new_state(self, target: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-        """The state of a param seen for the first time (``target``: what is updated)."""
-        return {key: torch.zeros_like(target, memory_format=torch.preserve_format)
-                for key in self._state_keys(group)}
+    def _new_state(self, target: Tensor, group: dict[str, Any],
+                   layout: Optional[storage.StateLayout]) -> dict[str, Tensor]:
+        """The state of a param seen for the first time (``target``: what is updated; ``layout``: how
+        its per-element state is stored, None for ``target``'s dtype)."""
+        return storage.new_state(target, self._state_keys(group), self.NONNEGATIVE_STATE_KEYS, layout)
 
     def _keeps_master(self, param: Tensor) -> bool:
         """Whether ``param`` is updated through an fp32 master in its state (``master_weights``)."""
         return self.master_weights and param.dtype in self.master_dtypes
+
+    def _keeps_remainder(self, param: Tensor) -> bool:
+        """Whether ``param`` (bf16) is the high half of an fp32 master whose low half is in its state."""
+        return self.remainder_masters and param.dtype == torch.bfloat16
 
     def _before_groups(self, batches: list[tuple[dict[str, Any], FusedBatch]], amp: AmpStepArgs) -> None:
         """Called once per step with every batch, before the first op call (LAMB's global norm)."""
@@ -247,7 +293,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _plan_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         # The state a group's batches hold: a plan is stale once any of these tensors is replaced.
-        return (*self._state_keys(group), *(("master_param",) if self.master_weights else ()))
+        keys = self._state_keys(group)
+        return (*keys, *map(storage.absmax_key, keys), *(("master_param",) if self.master_weights else ()),
+                *(("master_remainder",) if self.remainder_masters else ()))
 
     def _remember_plan(self, group: dict[str, Any], keys: tuple[str, ...], settings: tuple[Any, ...],
                        batches: list[FusedBatch], amp: AmpStepArgs) -> None:
@@ -276,8 +324,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         )
 
     def _build_batches(self, group: dict[str, Any], amp: AmpStepArgs) -> list[FusedBatch]:
-        # (device, writes a model copy) -> one batch, in param order.
-        batches: dict[tuple[torch.device, bool], FusedBatch] = {}
+        # (device, writes a model copy, has remainder masters) -> one batch, in param order.
+        batches: dict[tuple[torch.device, bool, bool], FusedBatch] = {}
         keys = self._state_keys(group)
         for p in group["params"]:
             model_param = amp.model_params.get(p) if amp.model_params else None
@@ -300,23 +348,34 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if "master_param" not in state:
                     state["master_param"] = p.detach().to(torch.float32)
                 target, model_param = state["master_param"], p
+            remainder = model_param is None and self._keeps_remainder(p)
+            if remainder and "master_remainder" not in state:
+                # 0: the master starts as the bf16 weight itself, as master_weights=True's copy does.
+                state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16,
+                                                             memory_format=torch.preserve_format)
             created = not all(key in state for key in keys)
             if created:
-                for key, value in self._new_state(target, group).items():
+                layout = storage.layout_of(p, target, group, remainder)
+                for key, value in self._new_state(target, group, layout).items():
                     state.setdefault(key, value)
-            key = (p.device, model_param is not None)
+            key = (p.device, model_param is not None, remainder)
             batch = batches.get(key)
             if batch is None:  # not setdefault: that would build a fresh batch for every param
-                batch = batches[key] = FusedBatch(p.device, states={name: [] for name in keys})
+                batch = batches[key] = FusedBatch(p.device, states={name: [] for name in keys},
+                                                  absmaxes={name: [] for name in keys})
             batch.owners.append(p)
             batch.params.append(local_tensor(target))
             batch.grads.append(local_tensor(grad))
             for name in keys:
                 batch.states[name].append(local_tensor(state[name]))
+                absmax = state.get(storage.absmax_key(name))
+                batch.absmaxes[name].append(None if absmax is None else local_tensor(absmax))
             if model_param is not None:
                 batch.model_params.append(local_tensor(model_param))
+            if remainder:
+                batch.master_remainders.append(local_tensor(state["master_remainder"]))
             batch.new_state.append(created)
-        merged = _merge_fp32_into_copy_batches(batches)
+        merged = merge_fp32_into_copy_batches(batches)
         if self.COUNTS_STEPS and merged:
             step = self._group_step(group, merged[0].device)
             for index, batch in enumerate(merged):
@@ -352,31 +411,50 @@ class FusedOptimizer(torch.optim.Optimizer):
             group["step"] = as_step(group["step"], device)  # ours, not an alias of the caller's
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by ``state_dict()`` (also the matching ``torch.optim`` optimizer's layout)."""
-        # torch casts loaded state to each param's dtype; the fp32 masters and the state of
-        # half params under master_weights=True must stay fp32.
-        fp32_keys = ("master_param", *self.STATE_KEYS)
+        """Load a state saved by ``state_dict()`` (also the matching ``torch.optim`` optimizer's layout).
+
+        A state stored in another format than this optimizer's param groups ask for (another
+        ``state_precision``, block size, or torch's fp32) is converted to it (the groups keep
+        their own ``state_precision``, ``state_block_size`` and ``min_quantized_numel``)
+        (apex_amp/optimizers/state_conversion.py gives the error bound); masters saved as fp32
+        copies become remainders under ``master_weights="remainder"`` and back (load the model's
+        weights first: a remainder is the low half of the master whose high half is the weight).
+        """
+        # torch casts loaded state to each param's dtype; fp32 masters, the state of half params
+        # with masters and any quantized state keep their stored dtype here, then are converted.
         saved_ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
-        keep_fp32 = {
-            index: {key: value for key, value in state_dict["state"].get(index, {}).items()
-                    if key in fp32_keys and isinstance(value, Tensor) and value.dtype == torch.float32}
-            for index in saved_ids
-            if "master_param" in state_dict["state"].get(index, {})
-        }
+        stored = {index: {key: value for key, value in state_dict["state"].get(index, {}).items()
+                          if key != "step" and isinstance(value, Tensor)}
+                  for index in saved_ids}
+        # The state is converted to this optimizer's formats: its groups' precision settings win
+        # over the checkpoint's (torch's load takes every group key from the checkpoint).
+        configured = [{key: group[key] for key in storage.PRECISION_KEYS} for group in self.param_groups]
         super().load_state_dict(state_dict)
         self._batch_plans = {}
+        for group, settings in zip(self.param_groups, configured):
+            group.update(settings)
         for group in self.param_groups:  # a torch.optim state may lack some of our group keys
             for key in self._group_keys:
                 group.setdefault(key, self.defaults[key])
         if self.COUNTS_STEPS:
             for index, group in enumerate(self.param_groups):
                 self._take_group_step(index, group)
-        params = list(itertools.chain.from_iterable(g["params"] for g in self.param_groups))
-        for index, param in zip(saved_ids, params):
-            for key, value in keep_fp32.get(index, {}).items():
-                self.state[param][key] = value.to(param.device)
+        owners = [(p, g) for g in self.param_groups for p in g["params"]]
+        for index, (param, group) in zip(saved_ids, owners):
             if param in self.state:
-                _lay_out_like(self.state[param], param, fp32_keys)
+                adopt_loaded_state(
+                    self.state[param], param, group, stored.get(index, {}), keys=self._state_keys(group),
+                    nonnegative=self.NONNEGATIVE_STATE_KEYS, keeps_master=self._keeps_master(param),
+                    keeps_remainder=self._keeps_remainder(param))
+
+
+def _refuse_fp16_remainders(group: dict[str, Any]) -> None:
+    half = [tuple(p.shape) for p in group["params"] if p.dtype == torch.float16]
+    if half:
+        raise ValueError(
+            f"master_weights='remainder' keeps the low 16 bits of an fp32 master beside a bf16 param "
+            f"(its high half); fp16 is not the high half of fp32, so fp16 params (shapes {half}) "
+            "cannot have remainder masters: cast the model to bf16, or use master_weights=True")
 
 
 def as_step(value: Any, device: torch.device) -> Tensor:
@@ -397,35 +475,3 @@ def _leave_grads_unscaled(batches: list[tuple[dict[str, Any], FusedBatch]], amp:
         if amp.found_inf is not None:
             factor = torch.where(amp.found_inf.to(batch.device).reshape(()) > 0, torch.ones_like(factor), factor)
         torch._foreach_mul_(batch.grads, factor)
-
-
-# fp32 params without a model copy join the batch of those with one (typically the fp32
-# BatchNorm params next to O2's half model params), each passed as its own model copy: the
-# ops allow model_params[i] to be params[i] and write the same value twice, to cache lines
-# just written, which costs less than the fixed overhead of a second call and a copy of the
-# step (benchmarks/README.md has the measurement).
-def _merge_fp32_into_copy_batches(batches: dict[tuple[torch.device, bool], FusedBatch]) -> list[FusedBatch]:
-    for device in {device for device, _ in batches}:
-        with_copy, without = batches.get((device, True)), batches.get((device, False))
-        if with_copy is None or without is None:
-            continue
-        if any(t.dtype != torch.float32 for t in without.params):
-            continue  # a half param without a master cannot have a model copy: two calls
-        with_copy.owners += without.owners
-        with_copy.params += without.params
-        with_copy.grads += without.grads
-        for name in with_copy.states:
-            with_copy.states[name] += without.states[name]
-        with_copy.model_params += without.params
-        with_copy.new_state += without.new_state
-        del batches[(device, False)]
-    return list(batches.values())
-
-
-def _lay_out_like(state: dict[str, Any], param: Tensor, keys: tuple[str, ...]) -> None:
-    # The ops walk a param and its state in memory order, so they must share strides; a
-    # checkpoint saved from a contiguous model may be loaded into a channels_last one (once, at load).
-    for key in keys:
-        value = state.get(key)
-        if isinstance(value, Tensor) and value.shape == param.shape and value.stride() != param.stride():
-            state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)

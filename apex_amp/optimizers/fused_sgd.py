@@ -6,7 +6,7 @@ math is amp_math.h's ``sgd_update``, run by csrc/cpu/fused_sgd_cpu.cpp and csrc/
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -117,6 +117,17 @@ class FusedSGD(FusedOptimizer):
         materialize_master_grads: accepted for apex compatibility; the fused step always reads
             the gradients where amp left them, so there is nothing to materialize.
         set_grad_none: ``zero_grad()`` sets gradients to None (apex's default: zeroes them).
+        master_weights: keep fp32 master copies of fp16/bf16 parameters in the
+            optimizer state (without amp); the half parameters are rewritten in
+            the same pass. ``"remainder"``: for bf16 parameters, keep only the low
+            16 bits of each fp32 master (``master_remainder``, int16): the bf16
+            parameter is its high half, so the master is exact in 2 bytes instead of 4.
+        state_precision: how the momentum buffer is stored: ``"fp32"`` (default), ``"bf16"``,
+            ``"fp8"`` or ``"int8"`` (docs/low_precision_state.md); also a param-group key.
+        state_block_size: the largest block of fp8/int8 state sharing one fp32 absmax (a power
+            of two in [32, 4096], default 256); also a param-group key.
+        min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
+            keep fp32 state (default 4096); also a param-group key.
 
     Example::
 
@@ -135,6 +146,10 @@ class FusedSGD(FusedOptimizer):
         wd_after_momentum: bool = False,
         materialize_master_grads: bool = True,
         set_grad_none: bool = False,
+        master_weights: Union[bool, str] = False,
+        state_precision: str = "fp32",
+        state_block_size: int = 256,
+        min_quantized_numel: int = 4096,
     ) -> None:
         # apex's and torch's convention: without lr= every param group must give its own
         # (torch's add_param_group names a group that does not).
@@ -152,7 +167,8 @@ class FusedSGD(FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov)
-        super().__init__(params, defaults, set_grad_none=set_grad_none)
+        super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, state_precision=state_precision,
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
 
@@ -168,6 +184,7 @@ class FusedSGD(FusedOptimizer):
             # A skipped first step must not leave a zero buffer that the next step would damp.
             for i in new:
                 del self.state[batch.owners[i]]["momentum_buffer"]
+                self.state[batch.owners[i]].pop("momentum_buffer_absmax", None)
             return
         runs = [(False, [i for i in range(len(batch.params)) if i not in set(new)]), (True, new)]
         for first_run, indices in runs:
@@ -184,4 +201,6 @@ class FusedSGD(FusedOptimizer):
                 float(group["lr"]), float(group["momentum"]), float(group["dampening"]),
                 float(group["weight_decay"]), bool(group["nesterov"]), first_run, self.wd_after_momentum,
                 None if amp.inv_scale is None else amp.inv_scale.to(device), found_inf,
+                master_remainders=pick(batch.master_remainders) if batch.master_remainders else [],
+                state_absmaxes=batch.state_absmaxes(None if len(indices) == len(batch.params) else indices),
             )

@@ -193,6 +193,9 @@ def quantize(values: Tensor, dtype: torch.dtype, block: Optional[int] = None) ->
         return values.to(dtype), None
     if block is None or values.numel() % block:
         raise ValueError(f"quantizing to {dtype} needs a block size dividing numel {values.numel()}, got {block}")
+    if values.numel() == 0:
+        empty_absmax = values.new_empty((values.shape[0], 0) if values.dim() > 1 else (0,), dtype=torch.float32)
+        return torch.empty_like(values, dtype=dtype), empty_absmax
     flat = _memory_order(values).float().reshape(-1, block)
     absmax = _block_absmax(flat)
     usable = absmax >= _SMALLEST_NORMAL  # False for NaN, inf below
@@ -222,6 +225,8 @@ def dequantize(codes: Tensor, absmax: Optional[Tensor] = None) -> Tensor:
     """The fp32 values of a state in any format (the inverse of :func:`quantize`, up to its rounding)."""
     if codes.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return codes.float()
+    if codes.numel() == 0:
+        return torch.empty_like(codes, dtype=torch.float32)
     if absmax is None or absmax.numel() == 0 or codes.numel() % absmax.numel():
         raise ValueError(f"a {codes.dtype} state needs one absmax per block, got "
                          f"{None if absmax is None else absmax.numel()} for {codes.numel()} elements")
