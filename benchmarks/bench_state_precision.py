@@ -13,8 +13,9 @@ Sections (``--section``, default both):
             bitsandbytes' AdamW8bit: final held-out loss and test accuracy, relative to fp32 state.
 
 Peers come from the ``bench`` extra (``pip install -e .[bench]``: bitsandbytes, torchao); a peer that is
-missing is reported as such, not skipped silently. apex_amp's low-precision rows appear once the fused
-optimizers take ``state_precision`` (the script asks them, and says so when they do not).
+missing is reported as such, not skipped silently. Where the tree's FusedAdam does not take
+``state_precision`` yet, apex_amp's low-precision rows time the fused op itself with those states
+(``apex fused_adam_ op ...``: benchmarks/_state_op_step.py, the same kernel call FusedAdam makes).
 
 Run (from the repository root, idle machine, ~5-10 min):
     python benchmarks/bench_state_precision.py
@@ -46,6 +47,7 @@ from _timing import Bandwidth, finish_run, format_table, machine_info, print_tar
 
 from apex_amp import amp  # noqa: E402
 from apex_amp.optimizers import FusedAdam  # noqa: E402
+from _state_op_step import OpLevelAdam  # noqa: E402
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 PRECISIONS = ("fp32", "bf16", "fp8", "int8")
@@ -125,7 +127,14 @@ def step_configurations(shapes, bnb, ao_adamw8bit) -> dict[str, tuple[Optional[C
     for precision in PRECISIONS:
         name = f"apex FusedAdam {precision} state"
         if precision != "fp32" and not low_precision:
-            configs[name] = (None, "FusedAdam has no state_precision argument in this tree")
+            # The op has the formats before FusedAdam takes the argument: time the op itself.
+            name = f"apex fused_adam_ op {precision} state"
+
+            def build_op(precision=precision):
+                params = make_params(shapes, torch.float32, 0)
+                return OpLevelAdam(params, precision, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY), params
+
+            configs[name] = (build_op, "")
             continue
 
         def build(precision=precision):
@@ -142,7 +151,12 @@ def step_configurations(shapes, bnb, ao_adamw8bit) -> dict[str, tuple[Optional[C
 
         configs[remainder_name] = (build_remainder, "")
     else:
-        configs[remainder_name] = (None, "FusedAdam has no remainder masters in this tree")
+        def build_op_remainder():
+            params = make_params(shapes, torch.bfloat16, 0)
+            return OpLevelAdam(params, "int8", lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                               remainder=True), params
+
+        configs["apex fused_adam_ op int8 state, remainder masters (bf16 params)"] = (build_op_remainder, "")
 
     def build_torch():
         params = make_params(shapes, torch.float32, 0)
@@ -201,7 +215,8 @@ def run_step_section(sizes: list[int], reps: int, bnb, ao_adamw8bit, bandwidth: 
                    "iqr_ms": timing.iqr * 1e3,
                    "first_step_s": first_step[name], "state_bytes_per_param": state_bytes_per_param(optimizer, params),
                    "vs_fp32_state": timing.median / baseline.median if baseline else None}
-            precision = next((p for p in PRECISIONS if name.startswith(f"apex FusedAdam {p}")), None)
+            precision = next((p for p in PRECISIONS if name.startswith((f"apex FusedAdam {p}",
+                                                                        f"apex fused_adam_ op {p}"))), None)
             if precision is not None:
                 moved = PARAM_AND_GRAD_BYTES + STATE_BYTES[precision]
                 if "remainder" in name:
@@ -341,7 +356,7 @@ def accuracy_targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
 def step_targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
     verdicts = []
     for row in rows:
-        if "ms" not in row or not row["config"].startswith("apex FusedAdam") or row["config"].endswith("fp32 state"):
+        if "ms" not in row or not row["config"].startswith("apex") or row["config"].endswith("fp32 state"):
             continue
         size = f"{row['size'] / 2**20:g}M"
         limit = 1.2 if "int8" in row["config"] and "remainder" not in row["config"] else 1.0

@@ -1,0 +1,457 @@
+// The state formats' conversions in vector registers, for the formatted path
+// of kernels.inc: the same results as state_formats.h's scalar functions, bit
+// for bit, 16 (AVX-512) or 8 (AVX2) elements at a time. The default variant
+// (and any tail shorter than a vector) runs the scalar functions themselves.
+//
+// How each conversion stays exact:
+// - Dequantizing is a lookup in a 256-entry table of what the scalar function
+//   multiplies by the scale (the fp8 code's value, or the map entry), then the
+//   same one fp32 multiply. AVX-512 looks up with permutes of the table held
+//   in registers (gathers are slow on CPUs with the GDS mitigation); AVX2
+//   gathers.
+// - Quantizing to int8/uint8 is the scalar's search for the number of
+//   midpoints below x, done branch-free: eight steps of a binary search whose
+//   candidates at each step are looked up by the step's prefix (a table per
+//   step, built from the midpoints padded with +inf to 255 entries, so the
+//   search counts exactly the midpoints < x; NaN compares false and gives 0,
+//   as the scalar loop does).
+// - Quantizing to fp8 restates c10's fp32 -> float8_e4m3fn conversion
+//   (round to nearest even, subnormals through the same fp32 add) lane by lane
+//   in 32-bit integer arithmetic.
+// - A block's absmax is the lanes' largest magnitude; a NaN anywhere makes it
+//   the scalar's quiet NaN.
+// - Remainder masters are the scalar bit arithmetic, lane by lane.
+//
+// Included from kernels.inc only, after the instruction set has been chosen.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include "state_formats.h"
+
+namespace apex_amp::cpu::CPU_CAPABILITY {
+namespace {
+
+namespace sf = ::apex_amp::state_formats;
+
+// ---- tables (the same for every instruction set) -----------------------------
+
+// What dequantizing multiplies by the scale, indexed by the code's byte.
+struct DecodeTables {
+  alignas(64) float fp8[256];     // the code's value (c10's conversion)
+  alignas(64) float signed_[256]; // the signed map's entry of the int8 code of this byte
+  alignas(64) float unsigned_[256];
+};
+
+inline const DecodeTables& decode_tables() {
+  static const DecodeTables tables = [] {
+    DecodeTables t{};
+    for (int byte = 0; byte < 256; ++byte) {
+      t.fp8[byte] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(byte), c10::Float8_e4m3fn::from_bits()));
+      // int8 code -128 is never written; it reads the map's last entry, as the
+      // reference's index -1 does (state_formats.dequantize).
+      const int code = static_cast<int8_t>(static_cast<uint8_t>(byte));
+      const int index = code + sf::kSignedZeroIndex;
+      t.signed_[byte] = sf::kSignedMap[index < 0 ? sf::kSignedMapSize - 1 : index];
+      t.unsigned_[byte] = sf::kUnsignedMap[byte];
+    }
+    return t;
+  }();
+  return tables;
+}
+
+// The binary search's candidates, step by step: at step l (l = 0..7, stride
+// s = 128 >> l) the search has settled the top l bits of the index, idx, and
+// compares x with padded[idx + s - 1]; levels[l][idx >> (8 - l)] holds it.
+// padded: the midpoints, then +inf up to 255 entries.
+struct SearchTables {
+  alignas(64) float levels[8][128];
+};
+
+template <size_t kMidpoints>
+constexpr SearchTables build_search_tables(const std::array<float, kMidpoints>& midpoints) {
+  static_assert(kMidpoints <= 255, "the search covers at most 255 midpoints");
+  SearchTables t{};
+  for (int l = 0; l < 8; ++l) {
+    const int stride = 128 >> l;
+    for (int j = 0; j < 128; ++j) {
+      const int position = j * 2 * stride + stride - 1;
+      t.levels[l][j] = (j < (1 << l) && position < static_cast<int>(kMidpoints))
+          ? midpoints[position]
+          : std::numeric_limits<float>::infinity();
+    }
+  }
+  return t;
+}
+
+constexpr SearchTables kSignedSearch = build_search_tables(sf::kSignedMidpoints);
+constexpr SearchTables kUnsignedSearch = build_search_tables(sf::kUnsignedMidpoints);
+
+// The scalar absmax of the reference's NaN blocks (block_absmax's).
+inline float nan_absmax() {
+  return std::numeric_limits<float>::quiet_NaN();
+}
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#define APEX_AMP_STATE_FORMATS_VECTORIZED 1
+
+// ---- the few vector primitives the conversions need, per instruction set ----
+#if defined(CPU_CAPABILITY_AVX512)
+
+constexpr int64_t kLanes = 16;
+using FVec = __m512;
+using IVec = __m512i;
+using Mask = __mmask16;
+
+inline FVec load_f(const float* p) { return _mm512_loadu_ps(p); }
+inline void store_f(float* p, FVec v) { _mm512_storeu_ps(p, v); }
+inline FVec set_f(float x) { return _mm512_set1_ps(x); }
+inline FVec mul_f(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+inline FVec add_f(FVec a, FVec b) { return _mm512_add_ps(a, b); }
+inline FVec max_f(FVec a, FVec b) { return _mm512_max_ps(a, b); }
+inline IVec set_i(int32_t x) { return _mm512_set1_epi32(x); }
+inline IVec add_i(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+inline IVec sub_i(IVec a, IVec b) { return _mm512_sub_epi32(a, b); }
+inline IVec and_i(IVec a, IVec b) { return _mm512_and_si512(a, b); }
+inline IVec or_i(IVec a, IVec b) { return _mm512_or_si512(a, b); }
+inline IVec xor_i(IVec a, IVec b) { return _mm512_xor_si512(a, b); }
+template <int kBits> inline IVec shr_i(IVec a) { return _mm512_srli_epi32(a, kBits); }
+template <int kBits> inline IVec shl_i(IVec a) { return _mm512_slli_epi32(a, kBits); }
+inline IVec as_int(FVec v) { return _mm512_castps_si512(v); }
+inline FVec as_float(IVec v) { return _mm512_castsi512_ps(v); }
+inline Mask lt_f(FVec a, FVec b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+inline Mask gt_f(FVec a, FVec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+inline Mask nan_f(FVec a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+inline Mask lt_i(IVec a, IVec b) { return _mm512_cmplt_epi32_mask(a, b); }
+inline Mask gt_i(IVec a, IVec b) { return _mm512_cmpgt_epi32_mask(a, b); }
+inline Mask eq_i(IVec a, IVec b) { return _mm512_cmpeq_epi32_mask(a, b); }
+inline Mask or_m(Mask a, Mask b) { return static_cast<Mask>(a | b); }
+inline Mask no_lanes() { return 0; }
+inline bool any(Mask m) { return m != 0; }
+inline FVec select_f(Mask m, FVec if_false, FVec if_true) { return _mm512_mask_blend_ps(m, if_false, if_true); }
+inline IVec select_i(Mask m, IVec if_false, IVec if_true) { return _mm512_mask_blend_epi32(m, if_false, if_true); }
+
+// table[index] for index in [0, kEntries), kEntries a power of two <= 256,
+// from the table held in registers: a permute over each 32-entry slice, then
+// blends on the index's higher bits.
+template <int kEntries>
+inline FVec pick(const FVec* regs, IVec index) {
+  if constexpr (kEntries <= 16) {
+    return _mm512_permutexvar_ps(index, regs[0]);
+  } else if constexpr (kEntries == 32) {
+    return _mm512_permutex2var_ps(regs[0], index, regs[1]);
+  } else {
+    constexpr int kHalf = kEntries / 2;
+    const FVec low = pick<kHalf>(regs, index);
+    const FVec high = pick<kHalf>(regs + kHalf / 16, index);
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(index, _mm512_set1_epi32(kHalf)), low, high);
+  }
+}
+
+// A table of kEntries floats, loaded into registers once per block (a loop
+// that stores through a float or byte pointer could not keep it there itself).
+template <int kEntries>
+struct Table {
+  static constexpr int kRegs = kEntries <= 16 ? 1 : kEntries / 16;
+  FVec regs[kRegs];
+  explicit Table(const float* table) {
+    for (int r = 0; r < kRegs; ++r) {
+      regs[r] = _mm512_loadu_ps(table + 16 * r);
+    }
+  }
+  FVec operator()(IVec index) const {
+    return pick<kEntries>(regs, index);
+  }
+};
+
+inline IVec load_bytes(const void* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+
+inline void store_bytes(void* p, IVec v) {  // the low byte of each lane
+  _mm_storeu_si128(static_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+}
+
+inline IVec load_halves_unsigned(const void* p) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+}
+
+inline IVec load_halves_signed(const void* p) {
+  return _mm512_cvtepi16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+}
+
+inline void store_halves(void* p, IVec v) {  // the low 16 bits of each lane
+  _mm256_storeu_si256(static_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v));
+}
+
+#else  // AVX2
+
+constexpr int64_t kLanes = 8;
+using FVec = __m256;
+using IVec = __m256i;
+using Mask = __m256i;  // all-ones lanes
+
+inline FVec load_f(const float* p) { return _mm256_loadu_ps(p); }
+inline void store_f(float* p, FVec v) { _mm256_storeu_ps(p, v); }
+inline FVec set_f(float x) { return _mm256_set1_ps(x); }
+inline FVec mul_f(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+inline FVec add_f(FVec a, FVec b) { return _mm256_add_ps(a, b); }
+inline FVec max_f(FVec a, FVec b) { return _mm256_max_ps(a, b); }
+inline IVec set_i(int32_t x) { return _mm256_set1_epi32(x); }
+inline IVec add_i(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
+inline IVec sub_i(IVec a, IVec b) { return _mm256_sub_epi32(a, b); }
+inline IVec and_i(IVec a, IVec b) { return _mm256_and_si256(a, b); }
+inline IVec or_i(IVec a, IVec b) { return _mm256_or_si256(a, b); }
+inline IVec xor_i(IVec a, IVec b) { return _mm256_xor_si256(a, b); }
+template <int kBits> inline IVec shr_i(IVec a) { return _mm256_srli_epi32(a, kBits); }
+template <int kBits> inline IVec shl_i(IVec a) { return _mm256_slli_epi32(a, kBits); }
+inline IVec as_int(FVec v) { return _mm256_castps_si256(v); }
+inline FVec as_float(IVec v) { return _mm256_castsi256_ps(v); }
+inline Mask lt_f(FVec a, FVec b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
+inline Mask gt_f(FVec a, FVec b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+inline Mask nan_f(FVec a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+inline Mask lt_i(IVec a, IVec b) { return _mm256_cmpgt_epi32(b, a); }
+inline Mask gt_i(IVec a, IVec b) { return _mm256_cmpgt_epi32(a, b); }
+inline Mask eq_i(IVec a, IVec b) { return _mm256_cmpeq_epi32(a, b); }
+inline Mask or_m(Mask a, Mask b) { return _mm256_or_si256(a, b); }
+inline Mask no_lanes() { return _mm256_setzero_si256(); }
+inline bool any(Mask m) { return !_mm256_testz_si256(m, m); }
+inline FVec select_f(Mask m, FVec if_false, FVec if_true) {
+  return _mm256_blendv_ps(if_false, if_true, _mm256_castsi256_ps(m));
+}
+inline IVec select_i(Mask m, IVec if_false, IVec if_true) { return _mm256_blendv_epi8(if_false, if_true, m); }
+
+// A table of kEntries floats, read by gathers.
+template <int kEntries>
+struct Table {
+  const float* table;
+  explicit Table(const float* t) : table(t) {}
+  FVec operator()(IVec index) const {
+    return _mm256_i32gather_ps(table, index, 4);
+  }
+};
+
+inline IVec load_bytes(const void* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
+}
+
+// The low byte of each lane (every lane holds 0..255 here).
+inline void store_bytes(void* p, IVec v) {
+  const IVec words = _mm256_packus_epi32(v, v);          // v0-3 v0-3 | v4-7 v4-7
+  const IVec bytes = _mm256_packus_epi16(words, words);  // v0-3 x4 | v4-7 x4
+  const __m128i both = _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
+  _mm_storel_epi64(static_cast<__m128i*>(p), both);
+}
+
+inline IVec load_halves_unsigned(const void* p) {
+  return _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+
+inline IVec load_halves_signed(const void* p) {
+  return _mm256_cvtepi16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+
+// The low 16 bits of each lane (every lane holds 0..0xFFFF here).
+inline void store_halves(void* p, IVec v) {
+  const IVec words = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0b1000);  // v0-3 v4-7 low
+  _mm_storeu_si128(static_cast<__m128i*>(p), _mm256_castsi256_si128(words));
+}
+
+#endif
+
+// ---- the conversions -----------------------------------------------------------
+
+// dequantize_block, n a multiple of kLanes.
+inline void dequantize_lanes(const float* table, const void* codes, float scale, int64_t n, float* values) {
+  const auto* bytes = static_cast<const uint8_t*>(codes);
+  const FVec factor = set_f(scale);
+  const Table<256> lookup(table);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    store_f(values + i, mul_f(lookup(load_bytes(bytes + i)), factor));
+  }
+}
+
+// block_absmax, n a multiple of kLanes.
+inline float absmax_lanes(const float* values, int64_t n) {
+  const IVec magnitude_bits = set_i(0x7FFFFFFF);
+  FVec largest = set_f(0.f);
+  Mask nan = no_lanes();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const FVec v = load_f(values + i);
+    nan = or_m(nan, nan_f(v));
+    largest = max_f(largest, as_float(and_i(as_int(v), magnitude_bits)));
+  }
+  if (any(nan)) {
+    return nan_absmax();
+  }
+  alignas(64) float lanes[kLanes];
+  store_f(lanes, largest);
+  float result = 0.f;
+  for (int64_t k = 0; k < kLanes; ++k) {
+    result = lanes[k] > result ? lanes[k] : result;
+  }
+  return result;
+}
+
+// clamp_to_unit(value * inv, low).
+inline FVec scaled_unit(FVec value, FVec inv, FVec low) {
+  const FVec one = set_f(1.f);
+  const FVec x = mul_f(value, inv);
+  const FVec clamped_low = select_f(lt_f(x, low), x, low);
+  return select_f(gt_f(clamped_low, one), clamped_low, one);
+}
+
+// c10's fp8e4m3fn_from_fp32_value, lane by lane (the sign is cleared before
+// the comparisons, so signed 32-bit compares order the bits as unsigned ones).
+inline IVec fp8_codes(FVec value) {
+  constexpr int32_t kFp8Limit = 1087 << 20;      // 480, the first value past the format
+  constexpr int32_t kDenormMagic = 141 << 23;    // 2^14
+  constexpr int32_t kSmallestNormal = 121 << 23; // 2^-6
+  const IVec bits = as_int(value);
+  const IVec sign = and_i(bits, set_i(static_cast<int32_t>(0x80000000u)));
+  const IVec magnitude = xor_i(bits, sign);
+  // |value| >= 480 or NaN: 0x7f for NaN, 0x7e (saturated) otherwise.
+  const IVec out_of_range =
+      select_i(gt_i(magnitude, set_i(0x7F800000)), set_i(0x7e), set_i(0x7f));
+  // Subnormal codes: the magic add rounds to nearest even at 2^-9.
+  const IVec subnormal = sub_i(as_int(add_f(as_float(magnitude), as_float(set_i(kDenormMagic)))), set_i(kDenormMagic));
+  // Normal codes: re-bias, round to nearest even at 3 mantissa bits.
+  const IVec odd = and_i(shr_i<20>(magnitude), set_i(1));
+  IVec normal = shr_i<20>(add_i(add_i(magnitude, set_i(static_cast<int32_t>((uint32_t)(7 - 127) << 23) + 0x7FFFF)), odd));
+  normal = and_i(normal, set_i(0xFF));
+  normal = select_i(eq_i(normal, set_i(0x7f)), normal, set_i(0x7e));
+  IVec code = select_i(lt_i(magnitude, set_i(kSmallestNormal)), normal, and_i(subnormal, set_i(0xFF)));
+  code = select_i(lt_i(magnitude, set_i(kFp8Limit)), out_of_range, code);
+  return or_i(code, shr_i<24>(sign));
+}
+
+// The branch-free count of midpoints below x (nearest_entry): step kLevel
+// settles bit 7 - kLevel of the index.
+template <int kLevel, typename TableT>
+inline IVec search_step(const TableT& candidates, FVec x, IVec index) {
+  const FVec candidate = candidates(shr_i<8 - kLevel>(index));
+  return select_i(lt_f(candidate, x), index, add_i(index, set_i(128 >> kLevel)));
+}
+
+struct NearestEntry {
+  Table<1> l0;
+  Table<2> l1;
+  Table<4> l2;
+  Table<8> l3;
+  Table<16> l4;
+  Table<32> l5;
+  Table<64> l6;
+  Table<128> l7;
+
+  explicit NearestEntry(const SearchTables& t)
+      : l0(t.levels[0]), l1(t.levels[1]), l2(t.levels[2]), l3(t.levels[3]), l4(t.levels[4]),
+        l5(t.levels[5]), l6(t.levels[6]), l7(t.levels[7]) {}
+
+  IVec operator()(FVec x) const {
+    IVec index = set_i(0);
+    index = search_step<0>(l0, x, index);
+    index = search_step<1>(l1, x, index);
+    index = search_step<2>(l2, x, index);
+    index = search_step<3>(l3, x, index);
+    index = search_step<4>(l4, x, index);
+    index = search_step<5>(l5, x, index);
+    index = search_step<6>(l6, x, index);
+    return search_step<7>(l7, x, index);
+  }
+};
+
+// quantize_block's codes, n a multiple of kLanes, with the block's scale.
+inline void quantize_lanes(StateFormat format, const float* values, int64_t n, const sf::BlockScale& scale,
+                           void* codes) {
+  auto* bytes = static_cast<uint8_t*>(codes);
+  const FVec inv = set_f(scale.inv);
+  if (format == StateFormat::kFp8) {
+    const FVec low = set_f(-1.f);
+    const FVec fp8_max = set_f(sf::kFp8Max);
+    for (int64_t i = 0; i < n; i += kLanes) {
+      store_bytes(bytes + i, fp8_codes(mul_f(scaled_unit(load_f(values + i), inv, low), fp8_max)));
+    }
+    return;
+  }
+  if (scale.zero_codes) {
+    std::memset(bytes, 0, static_cast<size_t>(n));
+    return;
+  }
+  const bool is_signed = format == StateFormat::kInt8;
+  const NearestEntry nearest_entry(is_signed ? kSignedSearch : kUnsignedSearch);
+  const FVec low = set_f(is_signed ? -1.f : 0.f);
+  const IVec zero_index = set_i(is_signed ? sf::kSignedZeroIndex : 0);
+  const IVec byte = set_i(0xFF);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const IVec index = nearest_entry(scaled_unit(load_f(values + i), inv, low));
+    store_bytes(bytes + i, and_i(sub_i(index, zero_index), byte));
+  }
+}
+
+#endif  // AVX512 || AVX2
+
+// ---- what kernels.inc calls: the vector conversions where the ISA has them ----
+
+inline void dequantize_block_fast(StateFormat format, const void* codes, float absmax, int64_t n, float* values) {
+#ifdef APEX_AMP_STATE_FORMATS_VECTORIZED
+  if (n % kLanes == 0) {
+    const DecodeTables& t = decode_tables();
+    if (format == StateFormat::kFp8) {
+      dequantize_lanes(t.fp8, codes, absmax / sf::kFp8Max, n, values);  // dequantize_fp8's scale
+    } else {
+      dequantize_lanes(format == StateFormat::kInt8 ? t.signed_ : t.unsigned_, codes, absmax, n, values);
+    }
+    return;
+  }
+#endif
+  sf::dequantize_block(format, codes, absmax, n, values);
+}
+
+// Writes the block's codes and returns the absmax it stores (quantize_block).
+inline float quantize_block_fast(StateFormat format, const float* values, int64_t n, void* codes) {
+#ifdef APEX_AMP_STATE_FORMATS_VECTORIZED
+  if (n % kLanes == 0) {
+    const sf::BlockScale scale = sf::block_scale(absmax_lanes(values, n));
+    quantize_lanes(format, values, n, scale, codes);
+    return scale.stored_absmax;
+  }
+#endif
+  return sf::quantize_block(format, values, n, codes);
+}
+
+inline void join_masters_fast(const c10::BFloat16* weight, const int16_t* remainder, int64_t n, float* master) {
+  int64_t i = 0;
+#ifdef APEX_AMP_STATE_FORMATS_VECTORIZED
+  for (; i + kLanes <= n; i += kLanes) {  // (weight << 16) + remainder, mod 2^32
+    const IVec bits = add_i(shl_i<16>(load_halves_unsigned(weight + i)), load_halves_signed(remainder + i));
+    store_f(master + i, as_float(bits));
+  }
+#endif
+  for (; i < n; ++i) {
+    master[i] = sf::join_master(weight[i], remainder[i]);
+  }
+}
+
+inline void split_masters_fast(const float* master, int64_t n, c10::BFloat16* weight, int16_t* remainder) {
+  int64_t i = 0;
+#ifdef APEX_AMP_STATE_FORMATS_VECTORIZED
+  for (; i + kLanes <= n; i += kLanes) {
+    const IVec bits = as_int(load_f(master + i));
+    store_halves(weight + i, shr_i<16>(add_i(bits, set_i(0x8000))));
+    store_halves(remainder + i, and_i(bits, set_i(0xFFFF)));
+  }
+#endif
+  for (; i < n; ++i) {
+    sf::split_master(master[i], weight[i], remainder[i]);
+  }
+}
+
+}  // namespace
+}  // namespace apex_amp::cpu::CPU_CAPABILITY
