@@ -21,7 +21,7 @@ import torch
 
 __all__ = [
     "TESTED_RELEASES", "PINNED_RELEASE", "OLDEST_TESTED_RELEASE", "release",
-    "autocast_disabled", "fsdp2_param_groups", "hash_enum_by_identity",
+    "autocast_disabled", "fsdp2_param_groups", "hash_enum_by_identity", "INDUCTOR_CPU_EMULATES_PRECISION_CASTS",
 ]
 
 TESTED_RELEASES = ("2.11.0", "2.14.1", "2.15.0")
@@ -75,6 +75,17 @@ def hash_enum_by_identity(cls: EnumT) -> EnumT:
     if _RELEASE >= (2, 13):
         cls.__hash__ = object.__hash__
     return cls
+
+
+# What ``torch._inductor.config.emulate_precision_casts = True`` gives on the CPU (eager's rounding of
+# every bf16/fp16 intermediate, so a compiled step can be bitwise eager's). torch 2.11: the CPU code
+# generator drops a rounding wherever a value is narrowed to bf16/fp16 and widened again in the same
+# fused kernel (it caches the widened value as the unrounded fp32 one: pytorch/pytorch#185337, fixed
+# by #182882 and #185847, merged May-June 2026). An O2 model's bf16 output widened to fp32, or an
+# fp8 cast of a bf16 activation, then differs from eager by that rounding. Seen keeping the roundings
+# on 2.14.1 and 2.15.0; 2.12 and 2.13 were not tried, so they count as dropping them. Nothing in
+# apex_amp depends on it; tests/test_fp8_training.py's bitwise torch.compile claim does.
+INDUCTOR_CPU_EMULATES_PRECISION_CASTS = _RELEASE >= (2, 14)
 
 
 # torch 2.11: dynamo does not trace torch.set_autocast_enabled (it is on its skip list: a graph

@@ -233,7 +233,8 @@ def test_import_refuses_when_another_apex_is_on_the_path(tmp_path, kind, stateme
     assert done.returncode != 0
     assert "ApexShadowingError" in done.stderr and "refuses to import next to another apex" in done.stderr
     assert str(other) in done.stderr
-    assert "torch" not in done.stderr  # refused before importing torch
+    # Refused before importing torch: no torch file in the traceback (the checkout's own path may hold "torch").
+    assert "torch" not in done.stderr.replace(str(ROOT), "<checkout>")
 
 
 def test_guard_passes_the_compat_package_itself_and_its_metadata(tmp_path):

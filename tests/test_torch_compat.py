@@ -154,3 +154,23 @@ def test_fsdp2_param_groups_are_the_groups_that_set_requires_gradient_sync_switc
     assert [group.reduce_grads for g in groups for group in g] == [False, False]
     model.set_requires_gradient_sync(True)
     assert [group.reduce_grads for g in groups for group in g] == [True, True]
+
+
+# ---- INDUCTOR_CPU_EMULATES_PRECISION_CASTS --------------------------------------------------------
+def widened_bf16_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a + b).float()  # eager rounds the sum to bf16, then widens it
+
+
+@pytest.mark.slow
+def test_inductor_rounds_a_widened_bf16_sum_as_eager_exactly_where_the_compat_module_says():
+    # torch 2.11's CPU code generator widens the unrounded fp32 sum instead (pytorch/pytorch#185337).
+    import torch._inductor.config as inductor_config
+
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(4, 64, generator=generator).to(torch.bfloat16) for _ in range(2))
+    torch._dynamo.reset()
+    with inductor_config.patch(emulate_precision_casts=True):
+        compiled = torch.compile(widened_bf16_sum, backend="inductor")(a, b)
+    torch._dynamo.reset()
+    assert torch.equal(compiled, widened_bf16_sum(a, b)) == compat.INDUCTOR_CPU_EMULATES_PRECISION_CASTS
+    assert torch.equal(compiled.to(torch.bfloat16), widened_bf16_sum(a, b).to(torch.bfloat16))
