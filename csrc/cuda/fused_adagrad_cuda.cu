@@ -2,6 +2,7 @@
 // AdagradHyper rule) over whole tensor lists, one pass per element.
 // found_inf set: nothing changes. Adagrad counts no steps.
 #include "amp_math.h"
+#include "cuda/formatted_rule.cuh"
 #include "cuda/fused_rule.cuh"
 #include "validate.h"
 
@@ -35,13 +36,13 @@ void fused_adagrad_cuda(
   validate_fused_adagrad(
       params, grads, state_sums, model_params, master_remainders, state_absmaxes, lr, eps,
       weight_decay, inv_scale, found_inf, device);
-  refuse_state_formats("fused_adagrad_", "CUDA", params, {{"state_sums", state_sums}}, master_remainders);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const AdagradHyper hyper{
       static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(weight_decay), adagrad_w_mode};
   const FusedStepArgs args{nullptr, optional_data(inv_scale), optional_data(found_inf)};
-  run_fused_rule(stream, params, grads, {state_sums}, model_params, hyper, args);
+  run_rule_with_formats(
+      stream, params, grads, {state_sums}, model_params, master_remainders, state_absmaxes, hyper, args);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // one pass per element (amp_math.h: adam_update, run by fused_rule.cuh's
 // functor), with no host sync: step, inv_scale and found_inf stay on the device.
 #include "amp_math.h"
+#include "cuda/formatted_rule.cuh"
 #include "cuda/fused_rule.cuh"
 #include "validate.h"
 
@@ -37,15 +38,13 @@ void fused_adam_cuda(
   validate_fused_adam(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
       lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf, device);
-  refuse_state_formats(
-      "fused_adam_", "CUDA", params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
-      master_remainders);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const AdamStepParams hyper =
       adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
   const FusedStepArgs args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf)};
-  run_fused_rule(stream, params, grads, {exp_avgs, exp_avg_sqs}, model_params, hyper, args);
+  run_rule_with_formats(
+      stream, params, grads, {exp_avgs, exp_avg_sqs}, model_params, master_remainders, state_absmaxes, hyper, args);
   increment_step(stream, step.data_ptr<float>(), args.found_inf);
 }
 

@@ -8,6 +8,7 @@
 //   3. the update (the LambHyper rule) with that as the tensor's value.
 // Each launch does nothing when found_inf is set; the step count goes last.
 #include "amp_math.h"
+#include "cuda/formatted_rule.cuh"
 #include "cuda/fused_rule.cuh"
 #include "cuda/reductions.cuh"
 #include "validate.h"
@@ -17,7 +18,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
+#include <vector>
 
 namespace apex_amp {
 namespace {
@@ -89,6 +92,62 @@ struct LambMomentsFunctor {
   }
 };
 
+// LambMomentsFunctor for formatted tensors (formatted_rule.cuh), in the lists
+// of FormattedRuleFunctor<LambHyper, ...>: it writes nothing but the sums (the
+// moments could not carry their fp32 values to the update through their
+// codes: the update recomputes them, as the CPU kernels do). Its elements go
+// to threads as LambMomentsFunctor's on the vector path, so the sums are
+// those of fp32 states holding the same values, bit for bit.
+template <typename Grad, bool kRemainder>
+struct FormattedLambMomentsFunctor {
+  using Lists = FormattedRuleFunctor<LambHyper, Grad, void, kRemainder>;
+  LambHyper hyper;
+  LambArgs args;
+  StateLayouts layouts;
+
+  __device__ void operator()(const Chunk<Lists::kDepth>& chunk) const {
+    if (step_is_skipped(args.step.found_inf)) {
+      return;
+    }
+    const float inv_scale = args.step.inv_scale != nullptr ? *args.step.inv_scale : 1.f;
+    __shared__ LambHyper shared_hyper;
+    if (threadIdx.x == 0) {
+      LambHyper prepared = hyper;
+      prepare_step(prepared, *args.step.step + 1.f);
+      prepared.grad_scale = lamb_grad_scale(*args.grad_norm * inv_scale, args.max_grad_norm);
+      shared_hyper = prepared;
+    }
+    __syncthreads();
+    const LambHyper h = shared_hyper;
+    const Grad* grads = static_cast<const Grad*>(chunk.tensor_data[1]);
+    float param_squares = 0.f;
+    float direction_squares = 0.f;
+    for_each_element(chunk.size, true, [&](auto width, int i) {
+      constexpr int W = decltype(width)::value;
+#pragma unroll
+      for (int e = 0; e < W; ++e) {
+        const int64_t index = chunk.offset + i + e;
+        const float p = read_formatted_master<kRemainder>(chunk, Lists::kExtraList, index);
+        float m = read_formatted_state(chunk, layouts, 0, Lists::kAbsmaxList, index);
+        float v = read_formatted_state(chunk, layouts, 1, Lists::kAbsmaxList, index);
+        lamb_moments<float>(p, m, v, static_cast<float>(grads[index]) * inv_scale, h);
+        const float d = lamb_direction<float>(p, m, v, h);
+        param_squares += p * p;
+        direction_squares += d * d;
+      }
+    });
+    param_squares = block_sum<kBlockSize>(param_squares);
+    direction_squares = block_sum<kBlockSize>(direction_squares);
+    if (threadIdx.x == 0) {
+      args.param_partials[chunk.slot] = param_squares;
+      args.direction_partials[chunk.slot] = direction_squares;
+    }
+  }
+};
+
+using FormattedLambGroup =
+    formatted_rule_detail::FormattedGroup<FormattedRuleFunctor<LambHyper, float, void, false>::kDepth>;
+
 __global__ void __launch_bounds__(kCleanupBlockSize) lamb_trust_kernel(
     const float* param_norms,
     const float* direction_norms,
@@ -132,9 +191,6 @@ void fused_lamb_cuda(
   validate_fused_lamb(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
       grad_norm, lr, beta1, beta2, eps, weight_decay, max_grad_norm, inv_scale, found_inf, device);
-  refuse_state_formats(
-      "fused_lamb_", "CUDA", params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
-      master_remainders);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const FusedStepArgs step_args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf)};
@@ -146,9 +202,40 @@ void fused_lamb_cuda(
   // hyper.grad_scale stays 1: set per block from grad_norm (LambMomentsFunctor).
 
   if (num_tensors > 0) {
-    // 1. Moments, and per-chunk squares of the params and the directions.
-    const auto groups = group_by_dtype<4>({params, grads, exp_avgs, exp_avg_sqs});
-    const SlotPlan plan(groups, params.size());
+    // 1. Moments, and per-chunk squares of the params and the directions;
+    // formatted tensors (formatted_rule.cuh) after the others, in the same slot plan.
+    const std::vector<uint8_t> formatted =
+        formatted_positions(params, {exp_avgs, exp_avg_sqs}, master_remainders);
+    const bool any_formatted = std::find(formatted.begin(), formatted.end(), 1) != formatted.end();
+    std::vector<DtypeGroup<4>> groups;
+    for (auto& group : group_by_dtype<4>({params, grads, exp_avgs, exp_avg_sqs})) {
+      DtypeGroup<4> kept{group.dtypes, {}, {}};
+      for (size_t k = 0; k < group.tensors.size(); ++k) {
+        if (!formatted[group.positions[k]]) {
+          kept.tensors.push_back(group.tensors[k]);
+          kept.positions.push_back(group.positions[k]);
+        }
+      }
+      if (!kept.tensors.empty()) {
+        groups.push_back(std::move(kept));
+      }
+    }
+    at::Tensor norms = at::zeros({3, num_tensors}, float_options);
+    float* trust_steps = norms[2].data_ptr<float>();
+    std::vector<FormattedLambGroup> formatted_groups;
+    if (any_formatted) {
+      formatted_groups = group_formatted<LambHyper>(formatted, params, grads, {exp_avgs, exp_avg_sqs}, model_params,
+                                                    master_remainders, state_absmaxes, trust_steps);
+    }
+    std::vector<DtypeGroup<4>> slot_groups = groups;
+    for (const auto& group : formatted_groups) {  // only their sizes and positions count here
+      DtypeGroup<4> sizes{{}, {}, group.positions};
+      for (const auto& entry : group.tensors) {
+        sizes.tensors.push_back(TensorEntry<4>{{}, entry.numel});
+      }
+      slot_groups.push_back(std::move(sizes));
+    }
+    const SlotPlan plan(slot_groups, params.size());
     at::Tensor partials = at::empty({2, plan.num_slots > 0 ? plan.num_slots : 1}, float_options);
     float* param_partials = partials[0].data_ptr<float>();
     float* direction_partials = partials[1].data_ptr<float>();
@@ -169,20 +256,36 @@ void fused_lamb_cuda(
         });
       }
     }
+    for (size_t j = 0; j < formatted_groups.size(); ++j) {
+      const auto& group = formatted_groups[j];
+      const int64_t first_slot = plan.group_first_slot[groups.size() + j];
+      const LambArgs args{step_args, grad_norm.data_ptr<float>(), static_cast<float>(max_grad_norm),
+                          param_partials + first_slot, direction_partials + first_slot};
+      dispatch_floating(group.grad, [&](auto grad_tag) {
+        using Grad = typename decltype(grad_tag)::type;
+        constexpr int kDepth = FormattedLambMomentsFunctor<Grad, false>::Lists::kDepth;
+        if (master_remainders.empty()) {
+          multi_tensor_apply<kDepth>(
+              stream, group.tensors, FormattedLambMomentsFunctor<Grad, false>{hyper, args, group.layouts});
+        } else {
+          multi_tensor_apply<kDepth>(
+              stream, group.tensors, FormattedLambMomentsFunctor<Grad, true>{hyper, args, group.layouts});
+        }
+      });
+    }
     // 2. Per-tensor norms, and the trust-ratio steps.
-    at::Tensor norms = at::zeros({3, num_tensors}, float_options);
     if (plan.num_slots > 0) {
       per_tensor_from_slots(stream, plan, param_partials, norms[0].data_ptr<float>(), false);
       per_tensor_from_slots(stream, plan, direction_partials, norms[1].data_ptr<float>(), false);
     }
-    float* trust_steps = norms[2].data_ptr<float>();
     APEX_AMP_LAUNCH(1, kCleanupBlockSize, 0, stream, lamb_trust_kernel)(
         norms[0].data_ptr<float>(), norms[1].data_ptr<float>(), trust_steps, num_tensors,
         static_cast<float>(lr), hyper.weight_decay, use_nvlamb, step_args.found_inf);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // 3. The update.
-    run_fused_rule(stream, params, grads, {exp_avgs, exp_avg_sqs}, model_params, hyper, step_args,
-    trust_steps);
+    run_rule_with_formats(stream, params, grads, {exp_avgs, exp_avg_sqs}, model_params, master_remainders,
+                          state_absmaxes, hyper, step_args, trust_steps,
+                          GradClip{grad_norm.data_ptr<float>(), static_cast<float>(max_grad_norm)});
   }
   increment_step(stream, step.data_ptr<float>(), step_args.found_inf);
 }

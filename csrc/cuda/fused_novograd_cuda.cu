@@ -6,6 +6,7 @@
 //   3. the elementwise rule (NovoGradHyper) with that value.
 // Each launch does nothing when found_inf is set; the step count goes last.
 #include "amp_math.h"
+#include "cuda/formatted_rule.cuh"
 #include "cuda/fused_rule.cuh"
 #include "cuda/reductions.cuh"
 #include "validate.h"
@@ -64,7 +65,6 @@ void fused_novograd_cuda(
   validate_fused_novograd(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
       lr, beta1, beta2, eps, weight_decay, norm_type, inv_scale, found_inf, device);
-  refuse_state_formats("fused_novograd_", "CUDA", params, {{"exp_avgs", exp_avgs}}, master_remainders);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const FusedStepArgs args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf)};
@@ -96,7 +96,8 @@ void fused_novograd_cuda(
     // 3. The elementwise rule.
     const NovoGradHyper hyper = novograd_hyper(
         lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment);
-    run_fused_rule(stream, params, grads, {exp_avgs}, model_params, hyper, args, moments.data_ptr<float>());
+    run_rule_with_formats(stream, params, grads, {exp_avgs}, model_params, master_remainders, state_absmaxes, hyper,
+                          args, moments.data_ptr<float>());
   }
   increment_step(stream, step.data_ptr<float>(), args.found_inf);
 }

@@ -20,6 +20,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <array>
+#include <cstdint>
 #include <initializer_list>
 #include <optional>
 #include <type_traits>
@@ -224,7 +225,8 @@ void run_lists(
     at::TensorList model_params,
     const Hyper& hyper,
     const FusedStepArgs& args,
-    const float* tensor_values) {
+    const float* tensor_values,
+    const std::vector<uint8_t>* skipped) {
   constexpr int kLists = 2 + Hyper::kStates + (kWithModel ? 1 : 0);
   std::array<at::TensorList, kLists> lists;
   lists[0] = params;
@@ -236,7 +238,20 @@ void run_lists(
   if constexpr (kWithModel) {
     lists[next] = model_params;
   }
-  for (const auto& group : group_by_dtype<kLists>(lists)) {
+  for (auto& group : group_by_dtype<kLists>(lists)) {
+    if (skipped != nullptr) {  // formatted tensors: another kernel's (formatted_rule.cuh)
+      DtypeGroup<kLists> kept{group.dtypes, {}, {}};
+      for (size_t k = 0; k < group.tensors.size(); ++k) {
+        if (!(*skipped)[group.positions[k]]) {
+          kept.tensors.push_back(group.tensors[k]);
+          kept.positions.push_back(group.positions[k]);
+        }
+      }
+      if (kept.tensors.empty()) {
+        continue;
+      }
+      group = std::move(kept);
+    }
     run_group<Hyper, kWithModel>(stream, group, hyper, args, tensor_values);
   }
 }
@@ -247,7 +262,8 @@ void run_lists(
 // CUDAGuard for their device). `states`: the rule's kStates lists in its
 // order; model_params empty for no model copy; tensor_values a device array
 // of one value per list position, for rules that take one. Does not count
-// the step: call increment_step after the op's last launch.
+// the step: call increment_step after the op's last launch. `skipped`, when
+// given, marks the list positions to leave alone (formatted tensors).
 template <typename Hyper>
 void run_fused_rule(
     cudaStream_t stream,
@@ -257,16 +273,17 @@ void run_fused_rule(
     at::TensorList model_params,
     const Hyper& hyper,
     const FusedStepArgs& args,
-    const float* tensor_values = nullptr) {
+    const float* tensor_values = nullptr,
+    const std::vector<uint8_t>* skipped = nullptr) {
   TORCH_CHECK(
       static_cast<int>(states.size()) == Hyper::kStates,
       "apex_amp: internal error: a fused rule got the wrong number of state lists");
   if (model_params.empty()) {
     fused_rule_detail::run_lists<Hyper, false>(
-        stream, params, grads, states, model_params, hyper, args, tensor_values);
+        stream, params, grads, states, model_params, hyper, args, tensor_values, skipped);
   } else {
     fused_rule_detail::run_lists<Hyper, true>(
-        stream, params, grads, states, model_params, hyper, args, tensor_values);
+        stream, params, grads, states, model_params, hyper, args, tensor_values, skipped);
   }
 }
 

@@ -2,6 +2,7 @@
 // whole tensor lists, one pass per element; without momentum buffers the
 // stateless rule. found_inf set: nothing changes. SGD counts no steps.
 #include "amp_math.h"
+#include "cuda/formatted_rule.cuh"
 #include "cuda/fused_rule.cuh"
 #include "validate.h"
 
@@ -38,20 +39,19 @@ void fused_sgd_cuda(
   validate_fused_sgd(
       params, grads, momentum_buffers, model_params, master_remainders, state_absmaxes, lr,
       momentum, dampening, weight_decay, nesterov, inv_scale, found_inf, device);
-  refuse_state_formats(
-      "fused_sgd_", "CUDA", params, {{"momentum_buffers", momentum_buffers}}, master_remainders);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const FusedStepArgs args{nullptr, optional_data(inv_scale), optional_data(found_inf)};
   if (momentum_buffers.empty()) {
     const PlainSgdHyper hyper{static_cast<float>(lr), static_cast<float>(weight_decay)};
-    run_fused_rule(stream, params, grads, {}, model_params, hyper, args);
+    run_rule_with_formats(stream, params, grads, {}, model_params, master_remainders, state_absmaxes, hyper, args);
     return;
   }
   const SgdHyper hyper{
       static_cast<float>(lr), static_cast<float>(momentum), static_cast<float>(dampening),
       static_cast<float>(weight_decay), nesterov, first_run, wd_after_momentum};
-  run_fused_rule(stream, params, grads, {momentum_buffers}, model_params, hyper, args);
+  run_rule_with_formats(
+      stream, params, grads, {momentum_buffers}, model_params, master_remainders, state_absmaxes, hyper, args);
 }
 
 }  // namespace

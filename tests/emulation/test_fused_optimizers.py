@@ -184,33 +184,64 @@ def test_lists_longer_than_one_launch(limits, op):
         state.assert_close(rtol=8e-3, atol=1e-4)
 
 
-# The CUDA launchers take the state operands of issue 27 but have no kernels for them yet: any
-# state format beyond the params' dtype, or remainder masters, is refused, saying so, and nothing
-# is written (the CPU kernels run them).
+# The state operands of issue 27 that the CUDA launchers once refused ("on CUDA not yet"): they
+# now run, and write what the CPU kernels write (test_formatted_states.py has the whole matrix).
 def _formatted_calls():
-    params, grads = [torch.ones(2, 64)], [torch.ones(2, 64)]
-    int8, uint8 = torch.zeros(2, 64, dtype=torch.int8), torch.zeros(2, 64, dtype=torch.uint8)
-    bf16 = torch.zeros(2, 64, dtype=BF16)
-    absmaxes = [torch.zeros(4), torch.zeros(4)]
-    weight, remainder = torch.ones(2, 64, dtype=BF16), torch.zeros(2, 64, dtype=torch.int16)
-    return {
-        "adam-int8": lambda ops: ops.fused_adam_(params, grads, [int8], [uint8], [], [], absmaxes, flag(), 1e-3, 0.9,
-                                                 0.999, 1e-8, 0.0, True, True, None, None),
-        "sgd-bf16": lambda ops: ops.fused_sgd_(params, grads, [bf16], [], [], [], 0.1, 0.9, 0.0, 0.0, False, False,
-                                               False, None, None),
-        "adagrad-remainder": lambda ops: ops.fused_adagrad_([weight], grads, [torch.zeros(2, 64)], [], [remainder],
-                                                            [], 0.1, 1e-10, 0.0, False, None, None),
-        "novograd-int8": lambda ops: ops.fused_novograd_(params, grads, [int8], [flag(-1.0)], [], [], absmaxes[:1],
-                                                         flag(), 1e-2, 0.95, 0.98, 1e-8, 0.0, True, True, False, 2,
-                                                         None, None),
-        "lamb-bf16": lambda ops: ops.fused_lamb_(params, grads, [bf16], [bf16.clone()], [], [], [], flag(), flag(1.0),
-                                                 1e-2, 0.9, 0.999, 1e-6, 0.0, True, True, True, 1.0, False, None,
-                                                 None),
-    }
+    """Per case, a call on fresh tensors that returns everything the op may write."""
+    def tensors():
+        params, grads = [torch.linspace(-1.0, 1.0, 128).reshape(2, 64)], [torch.linspace(2.0, -2.0, 128).reshape(2, 64)]
+        int8 = torch.arange(-64, 64, dtype=torch.int8).reshape(2, 64)
+        uint8 = torch.arange(0, 128, dtype=torch.uint8).reshape(2, 64)
+        bf16 = torch.linspace(-0.5, 0.5, 128).reshape(2, 64).to(BF16)
+        absmaxes = [torch.full((4,), 0.5), torch.full((4,), 0.25)]
+        weight = torch.linspace(-1.0, 1.0, 128).reshape(2, 64).to(BF16)
+        remainder = torch.arange(-64, 64, dtype=torch.int16).reshape(2, 64) * 300
+        return params, grads, int8, uint8, bf16, absmaxes, weight, remainder
+
+    def adam(ops):
+        params, grads, int8, uint8, _, absmaxes, _, _ = tensors()
+        ops.fused_adam_(params, grads, [int8], [uint8], [], [], absmaxes, flag(), 1e-3, 0.9, 0.999, 1e-8, 0.0,
+                        True, True, None, None)
+        return [*params, int8, uint8, *absmaxes]
+
+    def sgd(ops):
+        params, grads, _, _, bf16, _, _, _ = tensors()
+        ops.fused_sgd_(params, grads, [bf16], [], [], [], 0.1, 0.9, 0.0, 0.0, False, False, False, None, None)
+        return [*params, bf16]
+
+    def adagrad(ops):
+        _, grads, _, _, _, _, weight, remainder = tensors()
+        sums = torch.linspace(0.0, 1.0, 128).reshape(2, 64)
+        ops.fused_adagrad_([weight], grads, [sums], [], [remainder], [], 0.1, 1e-10, 0.0, False, None, None)
+        return [weight, sums, remainder]
+
+    def novograd(ops):
+        params, grads, int8, _, _, absmaxes, _, _ = tensors()
+        moments = [flag(-1.0)]
+        ops.fused_novograd_(params, grads, [int8], moments, [], [], absmaxes[:1], flag(), 1e-2, 0.95, 0.98, 1e-8,
+                            0.0, True, True, False, 0, None, None)
+        return [*params, int8, absmaxes[0], *moments]
+
+    def lamb(ops):
+        params, grads, _, _, bf16, _, _, _ = tensors()
+        exp_avg_sqs = [bf16.abs()]
+        ops.fused_lamb_(params, grads, [bf16], exp_avg_sqs, [], [], [], flag(), flag(1.0), 1e-2, 0.9, 0.999, 1e-6,
+                        0.0, True, True, True, 1.0, False, None, None)
+        return [*params, bf16, *exp_avg_sqs]
+
+    return {"adam-int8": adam, "sgd-bf16": sgd, "adagrad-remainder": adagrad, "novograd-int8": novograd,
+            "lamb-bf16": lamb}
 
 
 @pytest.mark.parametrize("case", list(_formatted_calls()))
-def test_state_formats_are_refused_on_cuda_not_yet_supported(case):
+def test_state_formats_once_refused_on_cuda_now_match_the_cpu_kernels(case):
     call = _formatted_calls()[case]
-    with pytest.raises(RuntimeError, match=r"apex_amp\.fused_\w+_: .*on CUDA not yet"):
-        call(EMULATED)
+    emulated, cpu = call(EMULATED), call(CPU)
+    for i, (a, b) in enumerate(zip(emulated, cpu, strict=True)):
+        assert a.dtype == b.dtype, f"{case}: output {i}"
+        if case.startswith("lamb") and i == 0:  # the trust ratio's norms: sums in another order
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+        elif case.startswith("lamb"):  # the moments: bf16 values of the same fp32 arithmetic
+            assert torch.equal(a, b), f"{case}: output {i}"
+        else:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{case}: output {i}"

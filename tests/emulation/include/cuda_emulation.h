@@ -40,6 +40,7 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
+#define __constant__
 
 struct uint3 {
   unsigned int x, y, z;
