@@ -333,39 +333,6 @@ inline void validate_fused_step(
   }
 }
 
-// Whether a step uses state formats or remainder masters (anything beyond
-// states of their params' dtype): what a backend without those kernels refuses.
-inline bool uses_state_formats(
-    at::TensorList params,
-    std::initializer_list<NamedList> states,
-    at::TensorList master_remainders) {
-  if (!master_remainders.empty()) {
-    return true;
-  }
-  for (const NamedList& state : states) {
-    for (size_t i = 0; i < state.list.size(); ++i) {
-      if (state.list[i].scalar_type() != params[i].scalar_type()) {
-        return true;
-      }
-    }
-  }
-  return false;
-}
-
-// The refusal of a backend that has no kernels for state formats yet.
-inline void refuse_state_formats(
-    const char* op,
-    const char* backend,
-    at::TensorList params,
-    std::initializer_list<NamedList> states,
-    at::TensorList master_remainders) {
-  TORCH_CHECK(
-      !uses_state_formats(params, states, master_remainders), "apex_amp.", op,
-      ": low-precision optimizer state (bf16, fp8, int8) and remainder masters on ", backend,
-      " not yet: its kernels take states of their params' dtype only and no master_remainders; "
-      "keep state_precision='fp32' and fp32 masters there, or run this step on the CPU");
-}
-
 // A host number of an op; `in_range` is written so that NaN makes it false.
 inline void check_number(const char* op, const char* name, double value, bool in_range, const char* expected) {
   TORCH_CHECK(in_range, "apex_amp.", op, ": ", name, " must be ", expected, ", got ", value);
