@@ -9,12 +9,12 @@ reach our kernels anyway (DTensor dispatches only ops it has sharding rules for)
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["DTENSOR_TYPES", "is_dtensor", "local_tensor", "local_tensors"]
+__all__ = ["DTENSOR_TYPES", "is_dtensor", "local_tensor", "local_tensors", "sharded_like"]
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
@@ -38,3 +38,18 @@ def local_tensor(tensor: Tensor) -> Tensor:
 
 def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
     return [local_tensor(tensor) for tensor in tensors]
+
+
+def sharded_like(local: Tensor, reference: Tensor, shape: Optional[Sequence[int]] = None,
+                 stride: Optional[Sequence[int]] = None) -> Tensor:
+    """``local`` as this rank's shard of a DTensor placed like ``reference`` (``local`` itself when
+    ``reference`` is no DTensor), of global ``shape`` and ``stride`` (default: ``reference``'s).
+
+    State made from a sharded parameter's shard (a remainder, absmaxes) is sharded like it, so
+    ``state_dict()`` and torch.distributed.checkpoint see (and reshard) it as they do the parameter.
+    """
+    if not is_dtensor(reference):
+        return local
+    return DTensor.from_local(local, reference.device_mesh, reference.placements, run_check=False,
+                              shape=torch.Size(reference.shape if shape is None else shape),
+                              stride=tuple(reference.stride() if stride is None else stride))

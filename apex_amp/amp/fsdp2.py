@@ -169,6 +169,20 @@ def _check_policy(name: str, module: nn.Module, cls: type, properties: Recipe) -
     )
 
 
+def _refuse_a_forward_before_initialize(index: int, modules: list[tuple[str, nn.Module]], properties: Recipe) -> None:
+    # amp casts the shards themselves (remainder masters): FSDP2 reads their dtype, which its
+    # reduce-scatter casts the gradients back to, once, at the root's first forward (its lazy init).
+    for name, module in modules:
+        if getattr(module._get_fsdp_state(), "_is_root", None) is not None:
+            raise ValueError(
+                f"model {index} ran a forward before amp.initialize, and fully_shard ({_shard_name(name)}) fixed "
+                f"its parameters' dtype at that first forward; master_weights='remainder' stores the shards in "
+                f"{properties.fsdp2_shard_dtype(batchnorm=False)} (the high halves of the fp32 masters), which amp "
+                "casts at initialize. Build the model, fully_shard it, build the optimizer, and call "
+                "amp.initialize before the first forward"
+            )
+
+
 def _process_group(params: Iterable[Tensor]) -> Any:
     # Found-inf is agreed over the ranks the shards are spread on: the 1-D mesh's group (all
     # ranks for a 2-D, hybrid-sharded mesh, whose replicas hold equal shards anyway).
@@ -193,6 +207,9 @@ def check_fsdp2_models(
     refusal = properties.fsdp2_refusal()
     if refusal is not None:
         raise ValueError(refusal)
+    if properties.fsdp2_shard_dtype(batchnorm=False) != _FP32:
+        for index, modules in found:
+            _refuse_a_forward_before_initialize(index, modules, properties)
     compute_dtype = properties.fsdp2_param_dtype(batchnorm=False)
     sharded_models, all_modules, sharded_params = [], [], []
     for index, modules in found:

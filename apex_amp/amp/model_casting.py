@@ -5,6 +5,9 @@ its identity and type and can be wrapped (DDP, torch.compile) afterwards:
 
 * weights and buffers are cast in place (``param.data``), as ``Module.to``
   does, so every ``Parameter`` object the optimizer holds stays the same;
+  parameters sharded by FSDP2 (DTensors) are cast by ``Module._apply``, which
+  ``fully_shard``'s modules override to re-register the shards they all-gather
+  from (remainder masters under FSDP2 store the shards in bf16);
 * inputs and outputs are cast by forward pre/post hooks;
 * for a half model (O2, O3) a ``state_dict`` post-hook reports fp32 values (the
   fp32 master weights where there are masters, so an O2 checkpoint is exact),
@@ -22,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
+from .._dtensor import is_dtensor
 from .._dtypes import HALF_DTYPES, map_tensors
 
 __all__ = ["cast_model_", "cast_floating_tensors", "add_cast_hooks", "add_fp32_state_dict_hooks"]
@@ -41,18 +45,33 @@ class MasterStore(Protocol):
 
 def cast_model_(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool, cast_params: bool = True) -> None:
     """Cast the floating parameters (unless not ``cast_params``), grads and buffers of ``model`` to ``dtype``, in place."""
+    params = []
     for module in model.modules():
         if keep_batchnorm_fp32 and isinstance(module, _BatchNorm):
             continue
+        if cast_params:
+            params.extend(p for p in module.parameters(recurse=False) if p.is_floating_point() and p.dtype != dtype)
         with torch.no_grad():
-            for param in module.parameters(recurse=False) if cast_params else ():
-                if param.is_floating_point() and param.dtype != dtype:
-                    param.data = param.data.to(dtype)
-                    if param.grad is not None:
-                        param.grad = param.grad.to(dtype)
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer.is_floating_point() and buffer.dtype != dtype:
                     setattr(module, name, buffer.to(dtype))
+    if any(is_dtensor(param) for param in params):
+        _cast_sharded_params(model, params, dtype)
+        return
+    with torch.no_grad():
+        for param in params:
+            param.data = param.data.to(dtype)
+            if param.grad is not None:
+                param.grad = param.grad.to(dtype)
+
+
+def _cast_sharded_params(model: nn.Module, params: list[Tensor], dtype: torch.dtype) -> None:
+    # FSDP2 all-gathers from storage of its own behind each sharded parameter; Module._apply, which
+    # fully_shard's modules override, re-registers it after the cast (the Parameter objects stay
+    # the same: DTensors are swapped in place). The dtype FSDP2 reduces gradients back into is
+    # read at its first forward (amp.initialize refuses a model that ran one: fsdp2.py).
+    chosen = {id(param) for param in params} | {id(param.grad) for param in params if param.grad is not None}
+    model._apply(lambda tensor: tensor.to(dtype) if id(tensor) in chosen else tensor)
 
 
 def cast_floating_tensors(value: Any, dtype: torch.dtype) -> Any:

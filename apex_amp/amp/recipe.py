@@ -110,10 +110,12 @@ class Recipe:
     def prepare_model(self, model: nn.Module, masters: MasterStore, sharded: bool = False) -> None:
         """Cast ``model`` in place and add its input/output casts (and fp32 checkpoints of a half model).
 
-        Under FSDP2 (``sharded``) the policy casts the parameters for compute; only buffers are cast.
+        Under FSDP2 (``sharded``) the policy casts the parameters for compute and only buffers are
+        cast, except under remainder masters: the shards themselves become bf16 (``fsdp2_shard_dtype``).
         """
         if self.cast_model_type is not None:
-            cast_model_(model, self.cast_model_type, bool(self.keep_batchnorm_fp32), cast_params=not sharded)
+            cast_model_(model, self.cast_model_type, bool(self.keep_batchnorm_fp32),
+                        cast_params=not sharded or self.fsdp2_shard_dtype(batchnorm=False) != _FP32)
         add_cast_hooks(model, self.cast_model_type, self.model_output_dtype)
         if self.casts_model_to_half:  # O2 and O3 (as apex): checkpoints hold fp32, the masters where there are any
             add_fp32_state_dict_hooks(model, masters)
@@ -148,11 +150,7 @@ class Recipe:
     # ---- FSDP2 -----------------------------------------------------------------------
     def fsdp2_refusal(self) -> Optional[str]:
         """Why this recipe has no form under ``fully_shard``, or None."""
-        if self.remainder_masters:
-            return ("master_weights='remainder' has no form under fully_shard: FSDP2 keeps the sharded parameters "
-                    "in fp32, which are the masters already (all-gathered in bf16 for compute); use "
-                    "master_weights=True (O2's default) with a low state_precision to save memory there")
-        if self.casts_model_to_half and not self.master_weights:
+        if self.casts_model_to_half and not self.master_weights and not self.remainder_masters:
             return (
                 f"opt_level={self.opt_level} without master weights (half weights, no fp32 copy) has no form under "
                 "fully_shard: FSDP2 keeps the sharded parameters in fp32 and all-gathers them in half for compute, "
@@ -161,6 +159,16 @@ class Recipe:
                 f"param_dtype={self.half_dtype}, reduce_dtype=torch.float32))"
             )
         return None
+
+    def fsdp2_shard_dtype(self, batchnorm: bool) -> torch.dtype:
+        """The dtype FSDP2's sharded parameters are stored in once the model is prepared.
+
+        fp32: they are the masters (FSDP2 all-gathers them in ``fsdp2_param_dtype``). Under
+        remainder masters, the half dtype: each bf16 shard is the high half of its fp32 master,
+        whose low half the fused optimizer keeps beside it (FSDP2 then all-gathers it as it is,
+        and rounds the fp32 sum of the gradients to bf16).
+        """
+        return self.fsdp2_param_dtype(batchnorm) if self.remainder_masters else _FP32
 
     def fsdp2_param_dtype(self, batchnorm: bool) -> torch.dtype:
         """The ``MixedPrecisionPolicy.param_dtype`` FSDP2 must all-gather with (fp32: no cast)."""

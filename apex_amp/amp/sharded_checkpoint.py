@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ..optimizers.fused_optimizer import FusedOptimizer
 from . import sessions
 
 __all__ = ["checkpoint_state", "CheckpointState"]
@@ -34,6 +35,9 @@ class CheckpointState:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         session = sessions.find_session(self.optimizers, "checkpoint_state")
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, FusedOptimizer):  # DCP loads into these tensors: they must exist
+                optimizer.init_state()
         model_state, optimizer_state = get_state_dict(self.model, self.optimizers)
         return {"model": model_state, "optimizer": optimizer_state, "amp": session.state_dict()}
 

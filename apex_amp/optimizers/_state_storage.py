@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor
 
-from .._dtensor import is_dtensor, local_tensor
+from .._dtensor import is_dtensor, local_tensor, sharded_like
 from .state_formats import (DEFAULT_BLOCK_SIZE, DEFAULT_MIN_QUANTIZED_NUMEL, StateLayout, StatePrecision,
                             check_block_size, state_layout, storage_dtype)
 
@@ -120,9 +120,4 @@ def _zero_absmax(target: Tensor, block: int) -> Tensor:
     per_row = target.numel() // rows // block
     local = local_tensor(target)
     zeros = torch.zeros((local.shape[0], per_row), dtype=torch.float32, device=local.device)
-    if not is_dtensor(target):
-        return zeros
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(zeros, target.device_mesh, target.placements, run_check=False,
-                              shape=torch.Size((rows, per_row)), stride=(per_row, 1))
+    return sharded_like(zeros, target, shape=(rows, per_row), stride=(per_row, 1))

@@ -31,7 +31,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Union
 import torch
 from torch import Tensor
 
-from .._dtensor import is_dtensor, local_tensor
+from .._dtensor import is_dtensor, local_tensor, sharded_like
 from .._dtypes import HALF_DTYPES
 from . import _state_storage as storage
 from ._batch_plan import BatchPlan, FusedBatch, copy_of_step, merge_fp32_into_copy_batches
@@ -160,6 +160,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             masters: ``{param: its fp32 value}`` for params just cast to bf16 (amp's O2 casts the
                 model after taking these): the param becomes the high half of that value and its
                 remainder the low half, so the master starts exactly where an fp32 copy would.
+                Under FSDP2 both are DTensors placed alike: each rank splits its own shard, and
+                the remainder is an int16 DTensor sharded like the param.
 
         Example::
 
@@ -175,9 +177,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for param, master in (masters or {}).items():
                 if self._keeps_remainder(param):
-                    weight, remainder = split_master(master)
-                    param.copy_(weight)
-                    self.state[param]["master_remainder"] = remainder
+                    weight, remainder = split_master(local_tensor(master))
+                    local_tensor(param).copy_(weight)
+                    self.state[param]["master_remainder"] = sharded_like(remainder, param)
 
     # ---- what a subclass writes ---------------------------------------------------------------
     def _fused_step(self, group: dict[str, Any], batch: FusedBatch, amp: AmpStepArgs) -> None:
@@ -342,22 +344,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(
                     f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam "
                     "or torch.optim.SGD for sparse parameters (e.g. nn.Embedding(sparse=True))")
-            state = self.state[p]
-            target = p
-            if model_param is None and self._keeps_master(p):
-                if "master_param" not in state:
-                    state["master_param"] = p.detach().to(torch.float32)
-                target, model_param = state["master_param"], p
-            remainder = model_param is None and self._keeps_remainder(p)
-            if remainder and "master_remainder" not in state:
-                # 0: the master starts as the bf16 weight itself, as master_weights=True's copy does.
-                state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16,
-                                                             memory_format=torch.preserve_format)
-            created = not all(key in state for key in keys)
-            if created:
-                layout = storage.layout_of(p, target, group, remainder)
-                for key, value in self._new_state(target, group, layout).items():
-                    state.setdefault(key, value)
+            state, target, model_param, remainder, created = self._param_state(p, group, model_param)
             key = (p.device, model_param is not None, remainder)
             batch = batches.get(key)
             if batch is None:  # not setdefault: that would build a fresh batch for every param
@@ -381,6 +368,52 @@ class FusedOptimizer(torch.optim.Optimizer):
             for index, batch in enumerate(merged):
                 batch.step = copy_of_step(step, batch.device) if index else step
         return merged
+
+    def _param_state(self, p: Tensor, group: dict[str, Any], model_param: Optional[Tensor]
+                     ) -> tuple[dict[str, Any], Tensor, Optional[Tensor], bool, bool]:
+        # p's state, made where it is missing, and how p is updated: (state, the tensor updated,
+        # the half copy written, whether through a remainder, whether the per-element state is new).
+        state = self.state[p]
+        target = p
+        if model_param is None and self._keeps_master(p):
+            if "master_param" not in state:
+                state["master_param"] = p.detach().to(torch.float32)
+            target, model_param = state["master_param"], p
+        remainder = model_param is None and self._keeps_remainder(p)
+        if remainder and "master_remainder" not in state:
+            # 0: the master starts as the bf16 weight itself, as master_weights=True's copy does.
+            state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
+        keys = self._state_keys(group)
+        created = not all(key in state for key in keys)
+        if created:
+            layout = storage.layout_of(p, target, group, remainder)
+            for key, value in self._new_state(target, group, layout).items():
+                state.setdefault(key, value)
+        return state, target, model_param, remainder, created
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Make the state a first step would (zeros), where a trainable param has none, and each group's step count.
+
+        ``torch.distributed.checkpoint`` loads into the tensors ``state_dict()`` holds, so a
+        fresh optimizer must have its state first (``amp.checkpoint_state`` calls this). torch's
+        ``get_state_dict`` makes it by a step of zero gradients for an optimizer with no state at
+        all, but a remainder master's state exists from ``amp.initialize`` on. State made here is
+        not new to the first step (FusedSGD then damps its first momentum, as after torch's step).
+
+        Example::
+
+            >>> optimizer.init_state()
+            >>> sorted(optimizer.state[param])            # FusedAdam
+            ['exp_avg', 'exp_avg_sq']
+        """
+        for group in self.param_groups:
+            trainable = [p for p in group["params"] if p.requires_grad]
+            for p in trainable:
+                self._param_state(p, group, model_param=None)
+            if self.COUNTS_STEPS and trainable:
+                self._group_step(group, trainable[0].device)
+        self._batch_plans = {}
 
     def _group_step(self, group: dict[str, Any], device: torch.device) -> Tensor:
         # The group's one step count as the ops take it: a float32 scalar on ``device``. A count

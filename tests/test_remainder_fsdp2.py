@@ -1,0 +1,184 @@
+"""Remainder masters under FSDP2: bf16 shards plus int16 remainders are the exact fp32 masters, per rank.
+
+Under ``fully_shard`` the remainder run's sharded parameters are bf16 DTensors (amp casts them
+through FSDP2 at ``initialize``; without amp the model is cast before ``fully_shard``) and each
+``master_remainder`` is an int16 DTensor sharded like its parameter: the fused step joins and
+splits each rank's own shards, so sharding changes no value. In-process tests use a 1-rank gloo
+group; the 2-rank ones run tests/_remainder_fsdp2_ranks.py (several seconds a launch: one in
+the fast subset, the 200-step runs marked slow).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from _launch import launch
+from apex_amp import amp, memory_report
+from apex_amp.optimizers import FusedAdam, FusedLAMB, FusedNovoGrad
+from apex_amp.optimizers.state_formats import join_master
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+if dist.is_available():
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+RANKS = Path(__file__).resolve().parent / "_remainder_fsdp2_ranks.py"
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 4))
+
+
+def shard(model: nn.Module) -> nn.Module:
+    fully_shard(model[3], mp_policy=BF16)
+    fully_shard(model, mp_policy=BF16)
+    return model
+
+
+def train(model, optimizer, steps: int, overflow_at: int = -1) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x, y = torch.randn(8, 16, generator=generator), torch.randint(4, (8,), generator=generator)
+        loss = nn.functional.cross_entropy(model(x).float(), y) * (float("inf") if step == overflow_at else 1.0)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def remainder_o2(precision: str = "fp32"):
+    model = shard(make_model())
+    optimizer = FusedAdam(model.parameters(), lr=1e-2, state_precision=precision)
+    fp32_weights = [p.full_tensor().detach().clone() for p in model.parameters()]
+    amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, master_weights="remainder",
+                   verbosity=0)
+    return model, optimizer, fp32_weights
+
+
+# ---- amp on one rank -----------------------------------------------------------------------------
+def test_amp_casts_the_shards_to_bf16_and_splits_the_fp32_weights_into_sharded_remainders(process_group):
+    model, optimizer, fp32_weights = remainder_o2()
+    params = list(model.parameters())
+    assert [p for g in optimizer.param_groups for p in g["params"]] == params  # the same objects, cast
+    for param, weight in zip(params, fp32_weights):
+        assert isinstance(param, DTensor) and param.dtype == torch.bfloat16
+        remainder = optimizer.state[param]["master_remainder"]
+        assert isinstance(remainder, DTensor) and remainder.dtype == torch.int16
+        assert remainder.placements == param.placements and remainder.shape == param.shape
+        joined = join_master(param.to_local(), remainder.to_local())
+        assert torch.equal(joined.view(torch.int32), weight.view(torch.int32))  # exactly the fp32 weights
+    seen = []
+    model[3].register_forward_hook(lambda module, args, out: seen.append((module.weight.dtype, out.dtype)))
+    train(model, optimizer, steps=2)
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * 2
+    assert all(p.dtype == torch.bfloat16 and isinstance(p, DTensor) for p in model.parameters())
+    assert not any("master_param" in state for state in optimizer.state.values())
+
+
+def test_amp_remainder_run_skips_an_overflow_without_touching_weights_or_remainders(process_group):
+    model, optimizer, _ = remainder_o2("int8")
+    train(model, optimizer, steps=1)
+    before = {id(p): (p.full_tensor().clone(), {k: v.full_tensor().clone() for k, v in optimizer.state[p].items()})
+              for p in model.parameters()}
+    train(model, optimizer, steps=1, overflow_at=0)
+    assert amp.step_was_skipped(optimizer)
+    for param in model.parameters():
+        weight, state = before[id(param)]
+        assert torch.equal(param.full_tensor(), weight)
+        assert all(torch.equal(optimizer.state[param][key].full_tensor(), value) for key, value in state.items())
+
+
+def test_memory_report_per_rank_counts_two_bytes_each_of_weight_grad_and_master(process_group):
+    model, optimizer, _ = remainder_o2("int8")
+    train(model, optimizer, steps=1)
+    with amp.scale_loss(model(torch.randn(8, 16)).float().sum(), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    report = memory_report(model, optimizer)
+    assert report.per_parameter("weights") == 2.0
+    assert report.per_parameter("grads") == 2.0
+    assert report.per_parameter("masters") == 2.0  # the remainders: no fp32 copy anywhere
+
+
+def test_amp_refuses_remainders_once_fully_shard_has_run_a_forward(process_group):
+    model = shard(make_model())
+    model(torch.randn(2, 16)).float().sum().backward()  # FSDP2 fixes its parameters' dtype at the first forward
+    model.zero_grad(set_to_none=True)
+    optimizer = FusedAdam(model.parameters())
+    with pytest.raises(ValueError, match=r"ran a forward before amp.initialize.*master_weights='remainder'.*"
+                                         r"call amp.initialize before the first forward"):
+        amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, master_weights="remainder",
+                       verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("optimizer_class", [FusedLAMB, FusedNovoGrad])
+def test_optimizers_with_per_tensor_norms_refuse_sharded_remainder_params(process_group, optimizer_class):
+    model = shard(make_model())
+    optimizer = optimizer_class(model.parameters(), lr=1e-2)
+    amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, master_weights="remainder",
+                   verbosity=0)
+    with pytest.raises(RuntimeError, match="does not support parameters sharded by FSDP2.*per-tensor norms"):
+        train(model, optimizer, steps=1)
+
+
+# ---- two ranks -----------------------------------------------------------------------------------
+def run_ranks(*args: str, nproc: int = 2) -> str:
+    result = launch([str(RANKS), *args], nproc=nproc)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert f"RESULT: bitwise on {nproc} rank(s)" in result.stdout, output[-4000:]
+    return result.stdout
+
+
+def test_two_ranks_fused_adam_remainders_update_bitwise_like_fp32_masters_through_skips():
+    stdout = run_ranks("direct", "FusedAdam", "int8", "24")
+    assert "skipped [3, 20, 22]" in stdout and "0 mismatches" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("optimizer", ["FusedAdam", "FusedSGD", "FusedAdagrad"])
+def test_two_ranks_remainders_update_bitwise_like_fp32_masters_over_200_steps(optimizer, precision):
+    stdout = run_ranks("direct", optimizer, precision, "200")
+    assert "skipped [3, 20, 37, " in stdout and "0 mismatches" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("optimizer", ["FusedAdam", "FusedSGD"])
+def test_two_ranks_amp_o2_remainders_match_o2_fp32_shards_bitwise_over_200_steps(optimizer, precision):
+    stdout = run_ranks("amp", optimizer, precision, "200")
+    assert "skipped [3, 20, 37, " in stdout and "0 mismatches" in stdout and "['torch.bfloat16']" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_two_ranks_and_one_rank_reach_the_same_weights_remainders_and_state(tmp_path, precision):
+    states = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"{nproc}.pt"
+        run_ranks("run", "--remainder", "--precision", precision, "--train", "0:12", "--same-data", "--out",
+                  str(out), nproc=nproc)
+        states[nproc] = torch.load(out, weights_only=False)["state"]
+    one, two = states[1], states[2]
+    assert one.keys() == two.keys() and any(key.endswith("master_remainder") for key in one)
+    differ = [key for key in one if one[key].dtype != two[key].dtype or not torch.equal(one[key], two[key])]
+    assert differ == []
+
+
+@pytest.mark.slow
+def test_two_ranks_memory_report_halves_each_ranks_bytes():
+    stdout = run_ranks("run", "--remainder", "--precision", "int8", "--train", "0:2", "--memory")
+    assert stdout.count("memory_report on rank") == 2
+    for category in ("weights", "grads", "masters"):
+        assert stdout.count(f"\n{category:<16}") == 2
