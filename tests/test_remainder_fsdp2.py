@@ -131,6 +131,33 @@ def test_optimizers_with_per_tensor_norms_refuse_sharded_remainder_params(proces
         train(model, optimizer, steps=1)
 
 
+def full_state(model, optimizer) -> dict[str, torch.Tensor]:
+    names = {param: name for name, param in model.named_parameters()}
+    state = {f"weight {name}": p.full_tensor().clone() for name, p in model.named_parameters()}
+    state.update({f"{names[p]}.{key}": value.full_tensor().clone() if isinstance(value, DTensor) else value.clone()
+                  for p, entries in optimizer.state.items() for key, value in entries.items()})
+    state["step"] = optimizer.param_groups[0]["step"].clone()
+    return state
+
+
+def test_a_dcp_checkpoint_of_a_remainder_run_loads_every_state_into_a_fresh_run(process_group, tmp_path):
+    # A fresh remainder optimizer already holds its remainders (from initialize), so torch's
+    # get_state_dict would not make the rest of its state: checkpoint_state makes it (init_state),
+    # else DCP would load the remainders only and the moments and step count would start over.
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer, _ = remainder_o2("int8")
+    train(model, optimizer, steps=3, overflow_at=1)
+    dcp.save({"train": amp.checkpoint_state(model, optimizer)}, checkpoint_id=str(tmp_path / "ckpt"))
+    expected = full_state(model, optimizer)
+    model, optimizer, _ = remainder_o2("int8")
+    dcp.load({"train": amp.checkpoint_state(model, optimizer)}, checkpoint_id=str(tmp_path / "ckpt"))
+    loaded = full_state(model, optimizer)
+    assert loaded.keys() == expected.keys() and "3.weight.exp_avg_absmax" in loaded
+    assert [key for key in expected if not torch.equal(expected[key], loaded[key])] == []
+    assert loaded["step"].item() == 2.0
+
+
 # ---- two ranks -----------------------------------------------------------------------------------
 def run_ranks(*args: str, nproc: int = 2) -> str:
     result = launch([str(RANKS), *args], nproc=nproc)

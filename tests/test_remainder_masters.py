@@ -2,7 +2,8 @@
 
 The fused optimizers with remainders train bitwise like master_weights=True (same masters, through
 skipped steps); amp's O2 with master_weights="remainder" makes no fp32 copies and matches O2 with
-them; fp16 weights and non-fused optimizers are refused with the reason.
+them; fp16 weights and non-fused optimizers are refused with the reason. Under FSDP2:
+tests/test_remainder_fsdp2.py.
 """
 
 from __future__ import annotations
@@ -167,13 +168,3 @@ def test_amp_refuses_remainders_for_an_optimizer_that_is_not_fused():
         amp.initialize(model, torch.optim.AdamW(model.parameters()), opt_level="O2", half_dtype=torch.bfloat16,
                        master_weights="remainder", verbosity=0)
     assert model.weight.dtype == torch.float32  # refused before the model was cast
-
-
-def test_amp_refuses_remainders_under_fsdp2_whose_fp32_shards_are_the_masters(process_group):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    with pytest.raises(ValueError, match="'remainder' has no form under fully_shard"):
-        amp.initialize(model, FusedAdam(model.parameters()), opt_level="O2", half_dtype=torch.bfloat16,
-                       master_weights="remainder", verbosity=0)
