@@ -3,7 +3,7 @@
 Launched on 1 or 2 gloo ranks by tests/_launch.py. Every rank builds the same seeded model and
 shards it with ``fully_shard(..., MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))``:
 a 64x64 hidden Linear sharded on its own (4096 elements: quantized by int8/fp8 state, in 64-element
-blocks, 32 rows per rank on 2 ranks), the rest by the root.
+blocks, 32 rows per rank on 2 ranks), the rest by the root (the 3-row output Linear unevenly).
 
 ``direct OPTIMIZER PRECISION STEPS``: two bf16 models sharded alike (cast before ``fully_shard``),
 one with ``master_weights=True`` (fp32 master shards in the state), one with ``"remainder"``; the
@@ -53,8 +53,9 @@ OPTIMIZERS = {
 
 def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
+    # 3 outputs: the last Linear's rows do not split evenly over 2 ranks (FSDP2 pads rank 1's shard).
     model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                          nn.Linear(64, 4))
+                          nn.Linear(64, 3))
     return model.to(dtype)
 
 
@@ -67,7 +68,7 @@ def shard(model: nn.Module) -> nn.Module:
 def batch(step: int, same_data: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s batch: the global one split between the ranks, or all of it on every rank."""
     generator = torch.Generator().manual_seed(1000 + step)
-    x, y = torch.randn(8, 16, generator=generator), torch.randint(4, (8,), generator=generator)
+    x, y = torch.randn(8, 16, generator=generator), torch.randint(3, (8,), generator=generator)
     if same_data:
         return x, y
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -10,6 +10,7 @@ the fast subset, the 200-step runs marked slow).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ RANKS = Path(__file__).resolve().parent / "_remainder_fsdp2_ranks.py"
 def make_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                         nn.Linear(64, 4))
+                         nn.Linear(64, 3))
 
 
 def shard(model: nn.Module) -> nn.Module:
@@ -48,7 +49,7 @@ def shard(model: nn.Module) -> nn.Module:
 def train(model, optimizer, steps: int, overflow_at: int = -1) -> None:
     generator = torch.Generator().manual_seed(1)
     for step in range(steps):
-        x, y = torch.randn(8, 16, generator=generator), torch.randint(4, (8,), generator=generator)
+        x, y = torch.randn(8, 16, generator=generator), torch.randint(3, (8,), generator=generator)
         loss = nn.functional.cross_entropy(model(x).float(), y) * (float("inf") if step == overflow_at else 1.0)
         with amp.scale_loss(loss, optimizer) as scaled_loss:
             scaled_loss.backward()
@@ -203,9 +204,33 @@ def test_two_ranks_and_one_rank_reach_the_same_weights_remainders_and_state(tmp_
     assert differ == []
 
 
+def memory_reports(stdout: str) -> dict[int, dict[str, float]]:
+    """Each rank's memory_report as {category: bytes per parameter}, plus its parameter count."""
+    reports = {}
+    for block in stdout.split("memory_report on rank ")[1:]:
+        rank, _, table = block.partition(":")
+        rows = re.findall(r"^(weights|grads|masters|optimizer state|total)\s+([\d,]+)\s+([\d.]+)$", table, re.M)
+        reports[int(rank)] = {name: float(per) for name, _, per in rows}
+        reports[int(rank)]["parameters"] = int(re.search(r"\(([\d,]+) parameters\)", table).group(1).replace(",", ""))
+    return reports
+
+
 @pytest.mark.slow
-def test_two_ranks_memory_report_halves_each_ranks_bytes():
-    stdout = run_ranks("run", "--remainder", "--precision", "int8", "--train", "0:2", "--memory")
-    assert stdout.count("memory_report on rank") == 2
-    for category in ("weights", "grads", "masters"):
-        assert stdout.count(f"\n{category:<16}") == 2
+def test_two_ranks_memory_report_per_rank_remainders_against_o2_fp32_shards():
+    # Per rank, of its shards of the 5,571 parameters: O2's fp32 shards are the masters (4 bytes) with
+    # fp32 gradient shards (4); remainders keep a bf16 shard (2) + an int16 remainder (2) with bf16
+    # gradient shards (2). The state (int8 for the 64x64 weight, fp32 for the small tensors) is alike.
+    o2 = memory_reports(run_ranks("run", "--precision", "int8", "--train", "0:2", "--memory"))
+    remainder = memory_reports(run_ranks("run", "--remainder", "--precision", "int8", "--train", "0:2", "--memory"))
+    assert sorted(o2) == sorted(remainder) == [0, 1]
+    # The 3-row Linear: 2 rows on rank 0, 1 on rank 1, whose weight and gradient shards FSDP2 pads
+    # to 2 rows (counted: they are held); the remainders and the state are made unpadded.
+    assert o2[0]["parameters"] + o2[1]["parameters"] == 5571
+    assert (o2[0]["weights"], o2[0]["grads"], o2[0]["masters"]) == (4.0, 4.0, 0.0)
+    assert (remainder[0]["weights"], remainder[0]["grads"]) == (2.0, 2.0)
+    for rank in (0, 1):
+        ours, theirs = remainder[rank], o2[rank]
+        assert ours["parameters"] == theirs["parameters"] and (ours["masters"], theirs["masters"]) == (2.0, 0.0)
+        assert ours["weights"] == ours["grads"] == theirs["weights"] / 2 == theirs["grads"] / 2
+        assert ours["optimizer state"] == theirs["optimizer state"]
+        assert ours["total"] == pytest.approx(theirs["total"] - theirs["weights"] + ours["masters"], abs=2e-3)

@@ -265,7 +265,8 @@ def initialize(
 
     Args:
         models: a ``torch.nn.Module`` or a list of them (not yet wrapped in DDP/DataParallel;
-            already sharded by FSDP2's ``fully_shard``, whose fp32 shards are then the masters).
+            already sharded by FSDP2's ``fully_shard``, whose fp32 shards are then the masters, or
+            under ``master_weights="remainder"`` become bf16 shards beside int16 remainders).
         optimizers: a ``torch.optim.Optimizer`` (or a wrapper holding one in ``.optim``, such as
             :class:`apex_amp.optimizers.LARC`), a list of them, or None.
         enabled: False returns everything untouched and makes ``scale_loss`` a pass-through.

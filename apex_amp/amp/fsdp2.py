@@ -19,6 +19,14 @@
   and the optimizer must hold the sharded parameters. O3 (half weights and no
   fp32 copy) has no sharded form: the shards are fp32, so O3 is refused in
   favour of O2, which costs no extra full-size copy here.
+* **Remainder masters** (``master_weights="remainder"``): the shards become
+  bf16, the high halves of the fp32 masters, and the fused optimizer keeps the
+  low halves beside them (int16 DTensors sharded alike). amp casts them at
+  ``initialize`` through ``Module._apply``, which ``fully_shard``'s modules
+  override (``model_casting.py``), before FSDP2 reads their dtype at the first
+  forward (a model that ran one is refused). The policy is O2's: FSDP2 then
+  all-gathers the bf16 shards as they are and rounds each fp32 gradient sum to
+  a bf16 gradient shard.
 * **The step on the shards.** FSDP2 reduce-scatters each gradient into an fp32
   DTensor shard; amp checks and unscales the local shards (``_multi_tensor``
   and FusedAdam run on ``to_local()`` tensors), and the step updates each
