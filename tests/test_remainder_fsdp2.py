@@ -86,6 +86,15 @@ def test_amp_casts_the_shards_to_bf16_and_splits_the_fp32_weights_into_sharded_r
     assert not any("master_param" in state for state in optimizer.state.values())
 
 
+def test_attributes_set_on_the_sharded_params_survive_their_cast(process_group):
+    # fully_shard's Module._apply swaps each DTensor parameter's contents, __dict__ included.
+    model = shard(make_model())
+    model[3].weight.no_weight_decay = True
+    amp.initialize(model, FusedAdam(model.parameters()), opt_level="O2", half_dtype=torch.bfloat16,
+                   master_weights="remainder", verbosity=0)
+    assert model[3].weight.dtype == torch.bfloat16 and model[3].weight.no_weight_decay is True
+
+
 def test_amp_remainder_run_skips_an_overflow_without_touching_weights_or_remainders(process_group):
     model, optimizer, _ = remainder_o2("int8")
     train(model, optimizer, steps=1)

@@ -71,7 +71,13 @@ def _cast_sharded_params(model: nn.Module, params: list[Tensor], dtype: torch.dt
     # the same: DTensors are swapped in place). The dtype FSDP2 reduces gradients back into is
     # read at its first forward (amp.initialize refuses a model that ran one: fsdp2.py).
     chosen = {id(param) for param in params} | {id(param.grad) for param in params if param.grad is not None}
+    # The swap also swaps the objects' __dict__: attributes set on a parameter (a user's tags, as
+    # Megatron's) would go with the discarded one. They are put back.
+    attributes = [(param, dict(vars(param))) for param in model.parameters()]
     model._apply(lambda tensor: tensor.to(dtype) if id(tensor) in chosen else tensor)
+    for param, saved in attributes:
+        for name, value in saved.items():
+            vars(param).setdefault(name, value)
 
 
 def cast_floating_tensors(value: Any, dtype: torch.dtype) -> Any:
