@@ -95,6 +95,21 @@ def test_attributes_set_on_the_sharded_params_survive_their_cast(process_group):
     assert model[3].weight.dtype == torch.bfloat16 and model[3].weight.no_weight_decay is True
 
 
+def test_a_batchnorm_sharded_on_its_own_stays_fp32_and_is_updated_in_place(process_group):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.Tanh(), nn.Linear(64, 3))
+    fully_shard(model[1], mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    shard(model)
+    optimizer = FusedAdam(model.parameters(), lr=1e-2)
+    amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, master_weights="remainder",
+                   verbosity=0)
+    norm = model[1].weight.full_tensor().clone()
+    train(model, optimizer, steps=2)
+    assert [p.dtype for p in model.parameters()] == [torch.bfloat16] * 2 + [torch.float32] * 2 + [torch.bfloat16] * 2
+    assert "master_remainder" not in optimizer.state[model[1].weight]
+    assert model[1].weight.dtype == torch.float32 and not torch.equal(model[1].weight.full_tensor(), norm)
+
+
 def test_amp_remainder_run_skips_an_overflow_without_touching_weights_or_remainders(process_group):
     model, optimizer, _ = remainder_o2("int8")
     train(model, optimizer, steps=1)
