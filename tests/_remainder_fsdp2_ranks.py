@@ -1,4 +1,4 @@
-"""Ranks training bf16 FSDP2 shards with remainder masters (tests/test_remainder_fsdp2.py, test_state_precision_fsdp2.py).
+"""Ranks training bf16 FSDP2 shards with remainder masters (tests/test_remainder_fsdp2.py, ...state_precision_fsdp2.py).
 
 Launched on 1 or 2 gloo ranks by tests/_launch.py. Every rank builds the same seeded model and
 shards it with ``fully_shard(..., MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))``:
