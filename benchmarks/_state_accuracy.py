@@ -127,25 +127,34 @@ def schedule(quick: bool) -> tuple[int, int, int]:
 
 
 def run(configs: list[Configuration], quick: bool, seeds: int) -> list[dict]:
-    """Train every configuration with seeds 0..seeds-1; one row per configuration, per-seed lists."""
+    """Train every configuration with seeds 0..seeds-1; one row per configuration, per-seed lists.
+
+    Seed by seed (every configuration with seed 0, then seed 1, ...), printing the table so far after
+    each: a run stopped early still holds whole seeds, compared pairwise across configurations.
+    """
     digits_epochs, lm_epochs, lm_steps = schedule(quick)
     rows = []
     for config in configs:
         if config.make_optimizer is None:
             rows.append({"config": config.name, "note": config.note})
-            continue
-        row: dict = {"config": config.name, "seeds": list(range(seeds)), "digits_accuracy": [], "digits_loss": [],
-                     "held_out_loss": [], "seconds": []}
-        for seed in range(seeds):
+        else:
+            rows.append({"config": config.name, "seeds": [], "digits_accuracy": [], "digits_loss": [],
+                         "held_out_loss": [], "seconds": []})
+    for seed in range(seeds):
+        for config, row in zip(configs, rows):
+            if config.make_optimizer is None:
+                continue
             started = time.perf_counter()
             result = {**train_digits(config, digits_epochs, seed),
                       **train_transformer(config, lm_epochs, lm_steps, seed)}
+            row["seeds"].append(seed)
             row["seconds"].append(time.perf_counter() - started)
             for key, value in result.items():
                 row[key].append(value)
             print(f"  {config.name}, seed {seed}: digits {result['digits_accuracy']:.4f}, "
                   f"LM {result['held_out_loss']:.4f} ({row['seconds'][-1]:.0f} s)", flush=True)
-        rows.append(row)
+        if seed < seeds - 1:
+            print(f"\nso far (seeds 0..{seed}):\n{render(rows)}\n", flush=True)
     return rows
 
 
