@@ -58,7 +58,14 @@ class MemoryReport:
         return held / self.parameters if self.parameters else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """The counts as plain data: parameters, bytes and bytes per parameter per category, and totals."""
+        """The counts as plain data: parameters, bytes and bytes per parameter per category, and totals.
+
+        Example::
+
+            >>> report = memory_report(torch.nn.Linear(256, 256, bias=False))
+            >>> report.to_dict()["bytes_per_parameter"]["weights"]
+            4.0
+        """
         return {"parameters": self.parameters, "bytes": dict(self.bytes), "total_bytes": self.total_bytes,
                 "bytes_per_parameter": {category: self.per_parameter(category) for category in CATEGORIES},
                 "total_bytes_per_parameter": self.per_parameter()}
