@@ -169,6 +169,16 @@ def spread(values: list[float], scale: float = 1.0, digits: int = 4) -> str:
     return f"{mean(scaled):.{digits}f} ± {std:.{digits}f} [{min(scaled):.{digits}f}, {max(scaled):.{digits}f}]"
 
 
+def paired(row: dict, base: dict, key: str, difference: Callable[[float, float], float]) -> str:
+    """The mean over seeds of ``difference(row's value, base's value)`` with its standard error: the
+    configurations share each seed's split, weights and batches, so the per-seed differences are what
+    tells a format's effect from the seeds' spread."""
+    differences = [difference(a, b) for a, b in zip(row[key], base[key])]
+    if len(differences) < 2:
+        return f"{mean(differences):+.2f}"
+    return f"{mean(differences):+.2f} ± {statistics.stdev(differences) / len(differences) ** 0.5:.2f}"
+
+
 def render(rows: list[dict]) -> str:
     base = next((r for r in rows if r["config"] == BASELINE and "note" not in r), None)
     table = []
@@ -177,13 +187,13 @@ def render(rows: list[dict]) -> str:
             table.append([row["config"], "", "", "", "", "", row["note"]])
             continue
         relative = points = ""
-        if base is not None:
-            relative = f"{mean(row['held_out_loss']) / mean(base['held_out_loss']) - 1:+.2%}"
-            points = f"{(mean(row['digits_accuracy']) - mean(base['digits_accuracy'])) * 100:+.2f}"
+        if base is not None and row is not base:
+            relative = paired(row, base, "held_out_loss", lambda a, b: (a / b - 1) * 100)
+            points = paired(row, base, "digits_accuracy", lambda a, b: (a - b) * 100)
         table.append([row["config"], spread(row["held_out_loss"]), relative,
                       spread(row["digits_accuracy"], 100, 2), points, f"{mean(row['seconds']):.0f}", ""])
-    return format_table(["configuration", "LM held-out loss: mean ± std [min, max]", "vs fp32 state",
-                         "digits accuracy %: mean ± std [min, max]", "points", "s/seed", "note"], table)
+    return format_table(["configuration", "LM held-out loss: mean ± std [min, max]", "vs fp32 state, % ± s.e.",
+                         "digits accuracy %: mean ± std [min, max]", "points ± s.e.", "s/seed", "note"], table)
 
 
 def targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
