@@ -20,6 +20,7 @@ the counts are this rank's: DTensors count their local shards.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Iterable, Optional
 
 import torch
@@ -55,6 +56,23 @@ class MemoryReport:
         """Bytes per parameter of ``category`` (default: all categories together)."""
         held = self.total_bytes if category is None else self.bytes[category]
         return held / self.parameters if self.parameters else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The counts as plain data: parameters, bytes and bytes per parameter per category, and totals.
+
+        Example::
+
+            >>> report = memory_report(torch.nn.Linear(256, 256, bias=False))
+            >>> report.to_dict()["bytes_per_parameter"]["weights"]
+            4.0
+        """
+        return {"parameters": self.parameters, "bytes": dict(self.bytes), "total_bytes": self.total_bytes,
+                "bytes_per_parameter": {category: self.per_parameter(category) for category in CATEGORIES},
+                "total_bytes_per_parameter": self.per_parameter()}
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON."""
+        return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
         lines = [f"{'category':<16}{'bytes':>16}{'bytes/param':>14}"]

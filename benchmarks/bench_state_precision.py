@@ -9,8 +9,10 @@ Sections (``--section``, default both):
             rounds; bytes of state per parameter; each apex row's bytes moved per element against the
             machine's streaming bandwidth measured in the same run.
   accuracy  the examples' digits MLP and character transformer trained at O2 bf16 (30 / 6 epochs as the
-            examples do, fewer with --quick) with FusedAdam at every state precision and with
-            bitsandbytes' AdamW8bit: final held-out loss and test accuracy, relative to fp32 state.
+            examples do, fewer with --quick) with FusedAdam at every state precision, with int8 state and
+            remainder masters, and with bitsandbytes' and torchao's AdamW8bit, each with seeds
+            0..--seeds-1: mean, std and range of the held-out loss and test accuracy, and the targets
+            judged on the means (benchmarks/_state_accuracy.py says what a seed sets).
 
 Peers come from the ``bench`` extra (``pip install -e .[bench]``: bitsandbytes, torchao); a peer that is
 missing is reported as such, not skipped silently. Where the tree's FusedAdam does not take
@@ -21,6 +23,7 @@ Run (from the repository root, idle machine, ~5-10 min):
     python benchmarks/bench_state_precision.py
     python benchmarks/bench_state_precision.py --section step --sizes 1M,16M
     python benchmarks/bench_state_precision.py --section accuracy --quick
+    python benchmarks/bench_state_precision.py --section accuracy --threads 1 --seeds 5 --no-torchao
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import argparse
 import gc
 import inspect
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,6 +50,7 @@ from _timing import Bandwidth, finish_run, format_table, machine_info, print_tar
 from apex_amp import amp  # noqa: E402
 from apex_amp.optimizers import FusedAdam  # noqa: E402
 from _state_op_step import OpLevelAdam  # noqa: E402
+import _state_accuracy  # noqa: E402
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 PRECISIONS = ("fp32", "bf16", "fp8", "int8")
@@ -242,117 +245,6 @@ def render_step_rows(rows: list[dict]) -> str:
                          "x bound", "note"], table)
 
 
-# -------------------------------------------------------------------------------------------- accuracy
-
-
-def accuracy_optimizers(bnb) -> dict[str, Optional[Callable]]:
-    factories: dict[str, Optional[Callable]] = {}
-    for precision in PRECISIONS:
-        if precision != "fp32" and not has_state_precision():
-            factories[f"FusedAdam {precision} state"] = None
-            continue
-        extra = {"state_precision": precision} if has_state_precision() else {}
-        factories[f"FusedAdam {precision} state"] = (
-            lambda params, lr, wd, extra=extra: FusedAdam(params, lr=lr, weight_decay=wd, **extra))
-    factories["bitsandbytes AdamW8bit"] = None if bnb is None else (
-        lambda params, lr, wd: bnb.optim.AdamW8bit(params, lr=lr, weight_decay=wd))
-    return factories
-
-
-def train_digits(make_optimizer: Callable, epochs: int) -> dict:
-    import train_digits as digits
-
-    device = torch.device("cpu")
-    (x_train, y_train), (x_test, y_test) = digits.load_data(0, device)
-    torch.manual_seed(0)
-    model = digits.make_model(digits.HIDDEN_DEFAULT)
-    optimizer = make_optimizer(model.parameters(), 2e-3, 1e-4)
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
-    for _ in range(epochs):
-        model.train()
-        for batch in torch.randperm(len(x_train)).split(64):
-            optimizer.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x_train[batch]), y_train[batch])
-            with amp.scale_loss(loss, optimizer) as scaled:
-                scaled.backward()
-            optimizer.step()
-    model.eval()
-    with torch.no_grad():
-        logits = model(x_test).float()
-        return {"test_loss": torch.nn.functional.cross_entropy(logits, y_test).item(),
-                "test_accuracy": (logits.argmax(1) == y_test).float().mean().item()}
-
-
-def train_transformer(make_optimizer: Callable, epochs: int, steps_per_epoch: int) -> dict:
-    import transformer as lm
-
-    ids = lm.encode(lm.load_text())
-    split = int(0.9 * len(ids))
-    train_ids, val_ids = ids[:split], ids[split:]
-    torch.manual_seed(0)
-    model = lm.make_model()
-    optimizer = make_optimizer(model.parameters(), 3e-3, 0.01)
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
-    windows = torch.Generator().manual_seed(0)
-    context, batch = 64, 32
-    for _ in range(epochs * steps_per_epoch):
-        starts = torch.randint(0, len(train_ids) - context - 1, (batch,), generator=windows)
-        loss = lm.lm_loss(model, *lm.batch_of_windows(train_ids, starts, context))
-        with amp.scale_loss(loss, optimizer) as scaled:
-            scaled.backward()
-        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"held_out_loss": lm.held_out_loss(model, val_ids, context, 256)}
-
-
-def run_accuracy_section(bnb, quick: bool) -> list[dict]:
-    rows = []
-    digits_epochs, lm_epochs, lm_steps = (5, 2, 20) if quick else (30, 6, 30)
-    for name, factory in accuracy_optimizers(bnb).items():
-        if factory is None:
-            rows.append({"config": name, "note": "not available in this tree / not installed"})
-            continue
-        started = time.perf_counter()
-        row = {"config": name, **train_digits(factory, digits_epochs),
-               **train_transformer(factory, lm_epochs, lm_steps), "seconds": time.perf_counter() - started}
-        print(f"  {name}: {row}")
-        rows.append(row)
-    return rows
-
-
-def render_accuracy_rows(rows: list[dict]) -> str:
-    base = next((r for r in rows if r["config"] == "FusedAdam fp32 state" and "note" not in r), None)
-    table = []
-    for row in rows:
-        if "note" in row:
-            table.append([row["config"], "", "", "", "", row["note"]])
-            continue
-        relative = "" if base is None else f"{row['held_out_loss'] / base['held_out_loss'] - 1:+.2%}"
-        points = "" if base is None else f"{(row['test_accuracy'] - base['test_accuracy']) * 100:+.2f}"
-        table.append([row["config"], f"{row['held_out_loss']:.4f}", relative, f"{row['test_accuracy']:.4f}",
-                      points, ""])
-    return format_table(["configuration", "LM held-out loss", "vs fp32 state", "digits accuracy", "points",
-                         "note"], table)
-
-
-def accuracy_targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
-    by_name = {r["config"]: r for r in rows if "note" not in r}
-    base = by_name.get("FusedAdam fp32 state")
-    if base is None:
-        return []
-    verdicts = []
-    for precision in PRECISIONS[1:]:
-        row = by_name.get(f"FusedAdam {precision} state")
-        if row is None:
-            continue
-        loss_gap = abs(row["held_out_loss"] / base["held_out_loss"] - 1)
-        points = abs(row["test_accuracy"] - base["test_accuracy"]) * 100
-        verdicts.append((f"{precision} state: LM loss within 1% of fp32 state", f"{loss_gap:.2%}", loss_gap <= 0.01))
-        verdicts.append((f"{precision} state: digits within 0.5 points", f"{points:.2f}", points <= 0.5))
-    return verdicts
-
-
 def step_targets(rows: list[dict]) -> list[tuple[str, str, bool]]:
     verdicts = []
     for row in rows:
@@ -377,6 +269,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sizes", default="1M,16M,64M", help="elements per step (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=15, help="timed steps per configuration (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="fewer training epochs in the accuracy section")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="accuracy: train each configuration with seeds 0..N-1 (default: 5, 2 with --quick)")
+    parser.add_argument("--no-torchao", default="", metavar="REASON", nargs="?", const="skipped (--no-torchao)",
+                        help="accuracy: leave torchao's AdamW8bit out, with REASON in its row")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     return parser.parse_args(argv)
@@ -405,10 +301,15 @@ def main(argv=None) -> int:
         print_targets("issue 27, step", step_targets(rows))
         payload.update(step=rows, bandwidth=bandwidth.to_json())
     if args.section in ("accuracy", "all"):
-        print("\naccuracy (O2 bf16, digits MLP and character transformer):")
-        rows = run_accuracy_section(bnb, args.quick)
-        print("\n" + render_accuracy_rows(rows))
-        print_targets("issue 27, accuracy", accuracy_targets(rows))
+        seeds = args.seeds or (2 if args.quick else 5)
+        if seeds < 1:
+            raise SystemExit(f"--seeds must be at least 1, got {seeds}")
+        print(f"\naccuracy (O2 bf16, digits MLP and character transformer), seeds 0..{seeds - 1}:")
+        configs = _state_accuracy.configurations(bnb, ao_adamw8bit, has_state_precision(), args.no_torchao)
+        rows = _state_accuracy.run(configs, args.quick, seeds)
+        print("\n" + _state_accuracy.render(rows))
+        print(f"the targets below compare the means over the {seeds} seeds")
+        print_targets("issue 27, accuracy", _state_accuracy.targets(rows))
         payload["accuracy"] = rows
     finish_run(started, args.json, payload)
     return 0

@@ -20,3 +20,13 @@ NOT_A_MODEL = 42
 
 def returns_a_number() -> int:
     return 7
+
+
+def wide_linears() -> nn.Module:
+    """Two bias-free 512x512 Linears (``python -m apex_amp memory`` tests): every tensor is quantizable."""
+    return nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False))
+
+
+def frozen() -> nn.Module:
+    """A Linear without trainable parameters."""
+    return nn.Linear(64, 64).requires_grad_(False)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from apex_amp import amp, memory_report
+from apex_amp.__main__ import main
 from apex_amp.optimizers import FusedAdam
+
+TESTS = Path(__file__).resolve().parent
 
 
 def o2_bf16(state_precision="fp32", master_weights=None):
@@ -74,3 +83,111 @@ def test_a_storage_shared_by_two_tensors_is_counted_once():
     alias.weight = model.weight  # the same parameter twice (tied weights)
     tied = nn.ModuleList([model, alias])
     assert memory_report(tied).total_bytes == 2 * 64 * 64 * 4
+
+
+# ---- python -m apex_amp memory -------------------------------------------------------------
+
+
+def test_cli_memory_prints_the_report_of_int8_state_and_remainder_masters_in_a_subprocess():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "apex_amp", "memory", "_diag_models:wide_linears", "--state-precision", "int8",
+         "--master-weights", "remainder", "--json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["parameters"] == 2 * 512 * 512
+    per = data["bytes_per_parameter"]
+    assert per["weights"] == 2.0 and per["grads"] == 2.0 and per["masters"] == 2.0
+    assert per["optimizer state"] == pytest.approx(2 * (1 + 4 / 256), abs=1e-4)  # codes + absmaxes (+ step)
+    assert data["total_bytes_per_parameter"] <= 8.1
+
+
+def built_by_hand(optimizer_factory, opt_level, master_weights):
+    # What the command measures, built the documented way: a real batch, a step, a second backward.
+    import _diag_models
+
+    torch.manual_seed(0)
+    model = _diag_models.wide_linears()
+    model, optimizer = amp.initialize(model, optimizer_factory(model.parameters()), opt_level=opt_level,
+                                      half_dtype=torch.bfloat16, master_weights=master_weights, verbosity=0)
+    for step in range(2):
+        optimizer.zero_grad()
+        with amp.scale_loss(model(torch.randn(4, 512)).float().sum(), optimizer) as loss:
+            loss.backward()
+        if step == 0:
+            optimizer.step()
+    return memory_report(model, optimizer)
+
+
+@pytest.mark.parametrize("options, factory, opt_level, master_weights, expected_total", [
+    ([], lambda p: FusedAdam(p, lr=1e-3), "O2", None, 16.0),
+    (["--state-precision", "bf16"], lambda p: FusedAdam(p, lr=1e-3, state_precision="bf16"), "O2", None, 12.0),
+    (["--master-weights", "false"], lambda p: FusedAdam(p, lr=1e-3), "O2", False, 8.0),  # bf16 state in place
+    (["--opt-level", "O0"], lambda p: FusedAdam(p, lr=1e-3), "O0", None, 16.0),
+    (["--optimizer", "FusedSGD", "--optimizer-arg", "momentum=0.9", "--state-precision", "int8"],
+     lambda p: __import__("apex_amp").optimizers.FusedSGD(p, lr=1e-3, momentum=0.9, state_precision="int8"),
+     "O2", None, 2 + 2 + 4 + 1 + 4 / 256),
+    # A non-fused optimizer steps fp32 masters with fp32 master gradients (4 bytes, not the model's 2).
+    (["--optimizer", "torch.optim.AdamW"], lambda p: torch.optim.AdamW(p, lr=1e-3), "O2", None, 18.0),
+])
+def test_cli_memory_reports_what_the_same_model_and_optimizer_hold_after_a_real_step(
+        options, factory, opt_level, master_weights, expected_total, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    assert main(["memory", "_diag_models:wide_linears", "--json", *options]) == 0
+    data = json.loads(capsys.readouterr().out)
+    by_hand = built_by_hand(factory, opt_level, master_weights)
+    assert data["bytes"] == by_hand.bytes  # category by category, to the byte
+    assert data["total_bytes_per_parameter"] == pytest.approx(expected_total, abs=0.01)
+
+
+def test_cli_memory_prints_a_table_by_default(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    assert main(["memory", "_diag_models:wide_linears"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer state" in out and "masters" in out and "(524,288 parameters)" in out
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("_diag_models", "expected MODULE:FACTORY"),
+    ("no_such_module_xyz:build", "module 'no_such_module_xyz' not found"),
+    ("_diag_models:missing", "has no attribute 'missing'"),
+    ("_diag_models:NOT_A_MODEL", "neither an nn.Module nor a callable"),
+    ("_diag_models:returns_a_number", "not a torch.nn.Module"),
+    ("_diag_models:frozen", "no trainable parameters"),
+])
+def test_cli_memory_bad_specs_exit_2_with_a_clear_error(spec, message, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    assert main(["memory", spec]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--optimizer", "Adam"], "unknown optimizer 'Adam': use one of FusedAdam"),
+    (["--optimizer", "torch.optim.NoSuchThing"], "unknown optimizer 'torch.optim.NoSuchThing'"),
+    (["--optimizer", "torch.optim.AdamW", "--state-precision", "int8"],
+     "--state-precision is an option of apex_amp's fused optimizers, not of torch.optim.AdamW"),
+    (["--optimizer-arg", "momentum"], "--optimizer-arg expects KEY=VALUE"),
+    (["--optimizer-arg", "no_such_argument=1"], "unexpected keyword argument 'no_such_argument'"),
+    (["--optimizer-arg", "betas=(0.9, 2.0)"], "FusedAdam(lr, betas) failed"),
+    (["--master-weights", "remainder", "--half-dtype", "float16"], "master_weights='remainder' needs a bf16 model"),
+    (["--master-weights", "remainder", "--optimizer", "torch.optim.AdamW"], "needs apex_amp's fused optimizers"),
+    (["--device", "no_such_device"], "--device 'no_such_device' is not a device"),
+])
+def test_cli_memory_bad_options_exit_2_with_a_clear_error(options, message, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    assert main(["memory", "_diag_models:wide_linears", *options]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--state-precision", "int4"], "invalid choice: 'int4'"),
+    (["--master-weights", "yes"], "invalid choice: 'yes'"),
+    (["--opt-level", "O4"], "invalid choice: 'O4'"),
+])
+def test_cli_memory_values_outside_the_choices_are_usage_errors(options, message, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    with pytest.raises(SystemExit) as exited:
+        main(["memory", "_diag_models:wide_linears", *options])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
