@@ -11,6 +11,12 @@ work without the waits for a core that other processes on a shared machine cause
 A benchmark script names a module with ``build_step(config, model_name, args) -> (step, objects)``;
 the worker imports it (spawned workers cannot receive functions) and may also run that module's
 ``measure(step, objects) -> dict`` when the driver asks for extra measurements.
+
+A process's own layout (where its allocator put the tensors, which cache sets its buffers share)
+moves a small model's step by several percent from one process to the next, as much as the
+differences being measured. ``replicas`` starts that many workers per configuration and pools
+their steps, so that a ratio compares configurations rather than two processes' luck; the median
+of each replica is kept so a report can show the spread between processes.
 """
 
 from __future__ import annotations
@@ -59,46 +65,50 @@ def _worker(conn, module_name: str, config: str, model_name: str, args: dict) ->
 
 
 def run_configurations(module_name: str, configs: Sequence[str], model_name: str, args: dict, *, reps: int,
-                       rounds: int, measure: bool = False) -> dict[str, dict[str, Any]]:
-    """Time every configuration in its own worker, in interleaved rounds.
+                       rounds: int, measure: bool = False, replicas: int = 1) -> dict[str, dict[str, Any]]:
+    """Time every configuration in its own worker(s), in interleaved rounds.
 
-    Returns, per configuration, ``timing`` and ``cpu_timing`` (:class:`Timing` of the steps) and,
-    with ``measure``, whatever the module's ``measure`` returned (merged in).
+    Each configuration runs ``reps`` steps in each of its ``replicas`` workers. Returns, per
+    configuration, ``timing`` and ``cpu_timing`` (:class:`Timing` of all its workers' steps),
+    ``replica_cpu_medians`` (each worker's median CPU time) and, with ``measure``, whatever the
+    module's ``measure`` returned in its first worker (merged in).
     """
     context = multiprocessing.get_context("spawn")
     workers = {}
-    for config in configs:
+    slots = [(config, replica) for replica in range(replicas) for config in configs]
+    for slot in slots:
         parent, child = context.Pipe()
-        process = context.Process(target=_worker, args=(child, module_name, config, model_name, args), daemon=True)
+        process = context.Process(target=_worker, args=(child, module_name, slot[0], model_name, args), daemon=True)
         process.start()
-        workers[config] = (process, parent)
+        workers[slot] = (process, parent)
 
-    def ask(config: str, message: tuple) -> Any:
-        conn = workers[config][1]
+    def ask(slot: tuple[str, int], message: tuple) -> Any:
+        conn = workers[slot][1]
         conn.send(message)
         kind, value = conn.recv()
         if kind == "error":
-            raise RuntimeError(f"{model_name} / {config} failed in its worker: {value}")
+            raise RuntimeError(f"{model_name} / {slot[0]} failed in its worker: {value}")
         return value
 
     try:
-        for config in configs:
-            kind, value = workers[config][1].recv()
+        for slot in slots:
+            kind, value = workers[slot][1].recv()
             if kind == "error":
-                raise RuntimeError(f"{model_name} / {config} failed to start: {value}")
-        samples: dict[str, list] = {config: [] for config in configs}
+                raise RuntimeError(f"{model_name} / {slot[0]} failed to start: {value}")
+        samples: dict[tuple[str, int], list] = {slot: [] for slot in slots}
         per_round = max(1, reps // rounds)
-        configs = list(configs)
         for r in range(rounds):
-            order = configs[r % len(configs):] + configs[:r % len(configs)]  # rotate: none always goes first
-            for config in order:
-                samples[config] += ask(config, ("time", per_round))
+            order = slots[r % len(slots):] + slots[:r % len(slots)]  # rotate: none always goes first
+            for slot in order:
+                samples[slot] += ask(slot, ("time", per_round))
         results: dict[str, dict[str, Any]] = {}
         for config in configs:
-            wall, cpu = zip(*samples[config])
-            results[config] = {"timing": Timing(wall), "cpu_timing": Timing(cpu)}
+            mine = [samples[(config, replica)] for replica in range(replicas)]
+            wall, cpu = zip(*(sample for steps in mine for sample in steps))
+            results[config] = {"timing": Timing(wall), "cpu_timing": Timing(cpu),
+                               "replica_cpu_medians": [Timing(tuple(c for _, c in steps)).median for steps in mine]}
             if measure:
-                results[config].update(ask(config, ("measure", None)))
+                results[config].update(ask((config, 0), ("measure", None)))
         return results
     finally:
         for process, conn in workers.values():

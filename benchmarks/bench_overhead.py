@@ -3,8 +3,9 @@
 On a GPU the kernels run asynchronously and a small model's step is bounded by the host: hooks,
 bookkeeping, launches. This measures that host work on the CPU, where every op of a step runs on
 the calling thread: the CPU time of the step's thread (time.thread_time), medians of interleaved
-rounds, each configuration in its own process (amp.initialize changes process-wide state;
-_workers.py). Configurations, with torch's fused Adam ("Adam") or apex_amp's FusedAdam:
+rounds, each configuration in its own processes (amp.initialize changes process-wide state), three
+per configuration by default with their steps pooled (a process's memory layout alone moves the
+tiny model's step by several percent: _workers.py). Configurations, with torch's fused Adam ("Adam") or apex_amp's FusedAdam:
   fp32 / <opt>       a plain loop: zero_grad, forward, loss, backward, step
   torch.amp / Adam   torch.autocast("cpu", half) around forward and loss, Adam(fused=True), with a
                      torch.amp.GradScaler for fp16 (torch's recipe; bf16 has none)
@@ -16,7 +17,7 @@ Targets (issue 20): O0 <= 1.05x the plain fp32 loop with the same optimizer; O1 
 O2 + FusedAdam <= 0.75x torch.amp, on the tiny model, fp16 and bf16.
 
 Run (from the repository root, in the venv where apex_amp is installed):
-    python benchmarks/bench_overhead.py                          # bf16, both models, ~2 min idle
+    python benchmarks/bench_overhead.py                          # bf16, both models, ~5 min idle
     python benchmarks/bench_overhead.py --models tiny --phases   # and where each step's time goes
     python benchmarks/bench_overhead.py --half-dtype float16 --models tiny
 """
@@ -161,8 +162,9 @@ def render(model_name: str, results: dict[str, dict[str, Any]]) -> list[str]:
         versus_fp32 = cpu[config] / cpu[f"fp32 / {opt}"]
         versus_amp = "" if config.startswith("fp32") else f"{cpu[config] / cpu['torch.amp / Adam']:.2f}"
         r = results[config]
+        per_process = " ".join(f"{median * 1e3:.3f}" for median in r["replica_cpu_medians"])
         rows.append(f"| {model_name} | {config} | {cpu[config] * 1e3:.3f} | {r['cpu_timing'].iqr * 1e3:.3f} "
-                    f"| {r['timing'].median * 1e3:.3f} | {versus_fp32:.2f} | {versus_amp} |")
+                    f"| {per_process} | {r['timing'].median * 1e3:.3f} | {versus_fp32:.2f} | {versus_amp} |")
     return rows
 
 
@@ -193,7 +195,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--half-dtype", default="bfloat16", choices=sorted(HALF_DTYPES), help="default: %(default)s")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=10, help="interleaving rounds (default: %(default)s)")
-    parser.add_argument("--reps", type=int, default=400, help="timed steps per configuration (default: %(default)s)")
+    parser.add_argument("--reps", type=int, default=400,
+                        help="timed steps per configuration and process (default: %(default)s)")
+    parser.add_argument("--replicas", type=int, default=3,
+                        help="worker processes per configuration, their steps pooled (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps per worker first (default: %(default)s)")
     parser.add_argument("--phases", action="store_true",
                         help="then time each phase of a step (zero_grad, forward, scale_loss entry, backward, "
@@ -203,8 +208,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not args.models or set(args.models) - {"tiny", "small"}:
         parser.error(f"--models takes tiny and/or small, got {args.models}")
-    if min(args.threads, args.rounds, args.reps, args.warmup + 1) < 1:
-        parser.error("--threads, --rounds and --reps must be at least 1")
+    if min(args.threads, args.rounds, args.reps, args.replicas, args.warmup + 1) < 1:
+        parser.error("--threads, --rounds, --reps and --replicas must be at least 1")
     return args
 
 
@@ -219,14 +224,15 @@ def main(argv=None) -> int:
           + ("  <- machine busy: timings are noisy" if info["load_average_1_5_15min"][0] > 1.0 else ""))
     print(f"parallel-region probe: {parallel_region_latency() * 1e6:.0f} us")
     settings = {k: v for k, v in vars(args).items() if k != "json"}
-    rows = ["| model | configuration | CPU ms | IQR ms | wall ms | / fp32 (same optimizer) | / torch.amp |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| model | configuration | CPU ms | IQR ms | per process ms | wall ms | / fp32 (same optimizer) "
+            "| / torch.amp |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     phase_rows = ["| model | configuration | " + " | ".join(f"{p} us" for p in PHASES) + " | sum us |",
                   "| --- | --- | " + " | ".join("---" for _ in PHASES) + " | --- |"]
     verdicts, all_results = [], {}
     for model_name in args.models:
         results = run_configurations("bench_overhead", CONFIGS, model_name, settings, reps=args.reps,
-                                     rounds=args.rounds, measure=args.phases)
+                                     rounds=args.rounds, measure=args.phases, replicas=args.replicas)
         all_results[model_name] = results
         rows += render(model_name, results)
         if args.phases:
@@ -235,10 +241,11 @@ def main(argv=None) -> int:
             verdicts += targets(model_name, results)
     print()
     print("\n".join(rows))
-    print("\nCPU ms: median CPU time of a step's thread; / fp32: against the plain fp32 loop with the same "
+    print("\nCPU ms: median CPU time of a step's thread, over the steps of every process of the configuration; "
+          "per process ms: each process's median; / fp32: against the plain fp32 loop with the same "
           "optimizer; / torch.amp: against autocast + (GradScaler) + Adam(fused=True) at the same half dtype.")
     if args.phases:
-        print("\nphases (median wall us of each, 2000 steps back to back per worker after the rounds):\n")
+        print("\nphases (median wall us of each, 2000 steps back to back in each configuration's first process after the rounds):\n")
         print("\n".join(phase_rows))
     print_targets("issue 20, tiny model", verdicts)
     finish_run(started, args.json, {
