@@ -147,7 +147,7 @@ def has_master(params: Sequence[Tensor], remainders: Sequence[Tensor], i: int) -
 def fused_step(op: str, device: torch.device, params: Sequence[Tensor], grads: Sequence[Tensor],
                states: dict[str, Sequence[Tensor]], model_params: Sequence[Tensor],
                remainders: Sequence[Tensor], absmaxes: Sequence[Tensor],
-               inv_scale: Tensor | None, found_inf: Tensor | None) -> None:
+               inv_scale: Tensor | None, found_inf: Tensor | None, rounding: Tensor | None = None) -> None:
     """The lists, layouts and dtypes of one fused optimizer step, and its optional flags.
 
     Per index i: fp32 params[i], or bf16 params[i] with master_remainders[i] (fp32 masters),
@@ -183,6 +183,19 @@ def fused_step(op: str, device: torch.device, params: Sequence[Tensor], grads: S
     for name, flag in (("inv_scale", inv_scale), ("found_inf", found_inf)):
         if flag is not None:
             scalars(op, device, **{name: flag})
+    state_rounding(op, device, params, rounding)
+
+
+def state_rounding(op: str, device: torch.device, params: Sequence[Tensor], rounding: Tensor | None) -> None:
+    """None (bf16 states round to nearest even), or a contiguous int64 (len(params), 2) tensor on
+    ``device``: each param's stream key and the index of its first element in the whole parameter."""
+    if rounding is None:
+        return
+    if (rounding.device != device or rounding.dtype != torch.int64 or tuple(rounding.shape) != (len(params), 2)
+            or not rounding.is_contiguous()):
+        fail(op, f"state_rounding must be a contiguous int64 tensor of shape ({len(params)}, 2) on {device} (a "
+                 f"stream key and a first-element index per param); got {rounding.dtype} of shape "
+                 f"{tuple(rounding.shape)} on {rounding.device}")
 
 
 def master_remainders(op: str, device: torch.device, params: Sequence[Tensor], remainders: Sequence[Tensor],

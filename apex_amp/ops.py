@@ -275,6 +275,7 @@ def fused_adam_(
     found_inf: Optional[Tensor] = None,
     master_remainders: Sequence[Tensor] = (),
     state_absmaxes: Sequence[Tensor] = (),
+    state_rounding: Optional[Tensor] = None,
 ) -> None:
     """One Adam or AdamW step over whole lists of tensors, one pass per element.
 
@@ -302,6 +303,10 @@ def fused_adam_(
             ``params[i]`` an exact fp32 master (state_formats.join_master), rewritten by the step.
         state_absmaxes: empty when no state is blocked (fp8/int8), else one fp32 tensor per
             state and param, ``exp_avgs``' first: one absmax per block, empty for fp32/bf16 states.
+        state_rounding: None (bf16 states of fp32/remainder masters round to nearest even), or a
+            contiguous int64 (len(params), 2) tensor on the params' device: per param, the stream key
+            and the index of its first element in the whole parameter; bf16 states then round
+            stochastically (state_formats.round_bf16_stochastic; every fused op takes it).
 
     Example::
 
@@ -336,6 +341,7 @@ def fused_adam_(
         bool(bias_correction),
         inv_scale,
         found_inf,
+        state_rounding,
     )
 
 

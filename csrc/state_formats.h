@@ -268,6 +268,49 @@ inline void split_master(float master, c10::BFloat16& weight, int16_t& remainder
   remainder = static_cast<int16_t>(static_cast<uint16_t>(bits & 0xFFFFu));
 }
 
+// ---- stochastic rounding of bf16 states ------------------------------------
+// state_formats.py: rounding_bits and round_bf16_stochastic, in uint32
+// arithmetic (the reference's int64 steps never overflow, so they are these
+// modulo 2^32). Host-device: the CUDA kernels call these very functions.
+constexpr uint32_t kGolden32 = 0x9E3779B9u;
+
+C10_HOST_DEVICE inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  return x ^ (x >> 15);
+}
+
+// The stream of state list `state_index` of the tensor whose key is `key`
+// (the op's state_rounding[i][0]).
+C10_HOST_DEVICE inline uint32_t rounding_stream(int64_t key, int state_index) {
+  const uint64_t bits = static_cast<uint64_t>(key);
+  const uint32_t salt = kGolden32 * static_cast<uint32_t>(state_index + 1);
+  return mix32(mix32(mix32(static_cast<uint32_t>(bits) ^ kGolden32) ^ static_cast<uint32_t>(bits >> 32)) ^ salt);
+}
+
+// The 16 random bits of element `index` (of the whole parameter) of a stream.
+C10_HOST_DEVICE inline uint32_t rounding_bits(uint32_t stream, int64_t index) {
+  const uint64_t bits = static_cast<uint64_t>(index);
+  return mix32(mix32(static_cast<uint32_t>(bits) ^ stream) ^ static_cast<uint32_t>(bits >> 32)) >> 16;
+}
+
+// `value` rounded to bf16 with the random bits `random16`: added to the low
+// half of its pattern, then truncated; NaN, and a finite value that would
+// become inf, round to nearest even instead (so inf only where RNE gives it).
+C10_HOST_DEVICE inline c10::BFloat16 round_bf16_stochastic(float value, uint32_t random16) {
+  uint32_t pattern;
+  memcpy(&pattern, &value, sizeof(pattern));
+  const uint16_t high = static_cast<uint16_t>((pattern + random16) >> 16);
+  const bool nan = value != value;
+  const bool overflowed = (high & 0x7FFFu) == 0x7F80u && (pattern & 0x7F800000u) != 0x7F800000u;
+  if (nan || overflowed) {
+    return c10::BFloat16(value);
+  }
+  return c10::BFloat16(high, c10::BFloat16::from_bits());
+}
+
 }  // namespace
 }  // namespace state_formats
 }  // namespace apex_amp

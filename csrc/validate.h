@@ -251,6 +251,26 @@ inline void check_state_absmaxes(
   }
 }
 
+// state_rounding: absent (bf16 states round to nearest even), or an int64
+// contiguous (params.size(), 2) tensor on the op's device: per param, the
+// stream key of its stochastic rounding and the index of its first element in
+// the whole parameter (state_formats.h: round_bf16_stochastic).
+inline void check_state_rounding(
+    const char* op, at::TensorList params, const std::optional<at::Tensor>& state_rounding,
+    const at::Device& device) {
+  if (!state_rounding.has_value()) {
+    return;
+  }
+  const at::Tensor& rounding = *state_rounding;
+  TORCH_CHECK(
+      rounding.device() == device && rounding.scalar_type() == at::kLong && rounding.dim() == 2 &&
+          rounding.size(0) == static_cast<int64_t>(params.size()) && rounding.size(1) == 2 &&
+          rounding.is_contiguous(),
+      "apex_amp.", op, ": state_rounding must be a contiguous int64 tensor of shape (", params.size(),
+      ", 2) on ", device, " (a stream key and a first-element index per param); got ", rounding.scalar_type(),
+      " of shape ", rounding.sizes(), " on ", rounding.device());
+}
+
 // Lists, devices, layouts, memory and dtypes of one fused step, its state
 // operands and its optional flags. `step` is validated by the ops that count steps.
 inline void validate_fused_step(
@@ -263,6 +283,7 @@ inline void validate_fused_step(
     at::TensorList state_absmaxes,
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding,
     const at::Device& device) {
   check_same_length(op, "params", params, "grads", grads);
   for (const NamedList& state : states) {
@@ -331,6 +352,7 @@ inline void validate_fused_step(
   if (found_inf.has_value()) {
     check_scalar_tensor(op, "found_inf", *found_inf, device);
   }
+  check_state_rounding(op, params, state_rounding, device);
 }
 
 // A host number of an op; `in_range` is written so that NaN makes it false.
@@ -359,11 +381,12 @@ inline void validate_fused_adam(
     double weight_decay,
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding,
     const at::Device& device) {
   constexpr const char* op = "fused_adam_";
   validate_fused_step(
       op, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, model_params,
-      master_remainders, state_absmaxes, inv_scale, found_inf, device);
+      master_remainders, state_absmaxes, inv_scale, found_inf, state_rounding, device);
   check_scalar_tensor(op, "step", step, device);
   check_number(op, "lr", lr, lr >= 0.0, ">= 0");
   check_betas(op, beta1, beta2);
@@ -386,16 +409,17 @@ inline void validate_fused_sgd(
     bool nesterov,
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding,
     const at::Device& device) {
   constexpr const char* op = "fused_sgd_";
   if (momentum_buffers.empty()) {
     validate_fused_step(
-        op, params, grads, {}, model_params, master_remainders, state_absmaxes, inv_scale, found_inf,
+        op, params, grads, {}, model_params, master_remainders, state_absmaxes, inv_scale, found_inf, state_rounding,
         device);
   } else {
     validate_fused_step(
         op, params, grads, {{"momentum_buffers", momentum_buffers}}, model_params, master_remainders,
-        state_absmaxes, inv_scale, found_inf, device);
+        state_absmaxes, inv_scale, found_inf, state_rounding, device);
   }
   check_number(op, "lr", lr, lr >= 0.0, ">= 0");
   check_number(op, "momentum", momentum, momentum >= 0.0, ">= 0");
@@ -422,11 +446,12 @@ inline void validate_fused_adagrad(
     double weight_decay,
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding,
     const at::Device& device) {
   constexpr const char* op = "fused_adagrad_";
   validate_fused_step(
       op, params, grads, {{"state_sums", state_sums}}, model_params, master_remainders, state_absmaxes,
-      inv_scale, found_inf, device);
+      inv_scale, found_inf, state_rounding, device);
   check_number(op, "lr", lr, lr >= 0.0, ">= 0");
   check_number(op, "eps", eps, eps >= 0.0, ">= 0");
   check_number(op, "weight_decay", weight_decay, weight_decay >= 0.0, ">= 0");
@@ -451,11 +476,12 @@ inline void validate_fused_novograd(
     int64_t norm_type,
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding,
     const at::Device& device) {
   constexpr const char* op = "fused_novograd_";
   validate_fused_step(
       op, params, grads, {{"exp_avgs", exp_avgs}}, model_params, master_remainders, state_absmaxes,
-      inv_scale, found_inf, device);
+      inv_scale, found_inf, state_rounding, device);
   check_same_length(op, "params", params, "exp_avg_sqs", exp_avg_sqs);
   for (size_t i = 0; i < exp_avg_sqs.size(); ++i) {
     const std::string name = "exp_avg_sqs[" + std::to_string(i) + "]";
@@ -490,11 +516,12 @@ inline void validate_fused_lamb(
     double max_grad_norm,
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding,
     const at::Device& device) {
   constexpr const char* op = "fused_lamb_";
   validate_fused_step(
       op, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, model_params,
-      master_remainders, state_absmaxes, inv_scale, found_inf, device);
+      master_remainders, state_absmaxes, inv_scale, found_inf, state_rounding, device);
   check_scalar_tensor(op, "step", step, device);
   check_scalar_tensor(op, "grad_norm", grad_norm, device);
   check_number(op, "lr", lr, lr >= 0.0, ">= 0");

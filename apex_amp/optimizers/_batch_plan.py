@@ -46,6 +46,17 @@ class FusedBatch:
     step: Optional[Tensor] = None  # the group's step count (optimizers that count steps)
     absmaxes: dict[str, list[Optional[Tensor]]] = dataclasses.field(default_factory=dict)  # None: not blocked
     master_remainders: list[Tensor] = dataclasses.field(default_factory=list)
+    # Stochastic rounding of bf16 state (_state_rounding.py): the rows without the step counter
+    # (made with rounding_seed), and this step's rows, the ops' state_rounding (None: to nearest even).
+    rounding_table: Optional[Tensor] = None
+    rounding_seed: Optional[int] = None
+    rounding_rows: Optional[Tensor] = None
+
+    def state_rounding(self, indices: Optional[list[int]] = None) -> Optional[Tensor]:
+        """The ops' ``state_rounding`` for the params at ``indices`` (default all)."""
+        if self.rounding_rows is None or indices is None:
+            return self.rounding_rows
+        return self.rounding_rows[indices]
 
     def state_absmaxes(self, indices: Optional[list[int]] = None) -> list[Tensor]:
         """The ops' ``state_absmaxes``: state-list-major, for the params at ``indices`` (default all),

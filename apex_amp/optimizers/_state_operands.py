@@ -12,7 +12,10 @@ own format. That is the contract of the kernels (csrc/state_formats.h), stated w
   fp8/int8/uint8 ones with their absmax (``state_absmaxes[k * len(params) + i]`` for state
   list k, one fp32 value per block of ``state.numel() // absmax.numel()`` elements);
 * after the rule, each state is ``quantize(value, state.dtype, B)`` (codes and absmax), and the
-  master is written back (``split_master`` for a remainder, a rounding for half params).
+  master is written back (``split_master`` for a remainder, a rounding for half params);
+* with ``state_rounding`` (the ops' optional (params, 2) int64 rows: stream key, index of the
+  first element in the whole parameter), a bf16 state of an fp32 or remainder master is
+  ``round_bf16_stochastic(value, key, k, offset)`` instead of rounded to nearest even.
 
 Tensors in the dtype of their params without a remainder are read and written exactly as
 before state formats existed, so those steps are bitwise unchanged.
@@ -22,11 +25,12 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
+import torch
 from torch import Tensor
 
 from .._checks import BLOCKED_STATE_DTYPES
 from .._fallback import as_fp32, commit, shaped_like
-from .state_formats import dequantize, join_master, quantize, split_master
+from .state_formats import dequantize, join_master, quantize, round_bf16_stochastic, split_master
 
 __all__ = ["StepOperands"]
 
@@ -39,6 +43,7 @@ class StepOperands:
         states: the per-element state lists in the op's order (Adam: exp_avgs, exp_avg_sqs).
         remainders: the op's master_remainders ([] or one per param).
         absmaxes: the op's state_absmaxes ([] or one per state and param, state-list-major).
+        rounding: the op's state_rounding (None: bf16 states round to nearest even).
 
     Example::
 
@@ -49,8 +54,9 @@ class StepOperands:
     """
 
     def __init__(self, params: Sequence[Tensor], states: Sequence[Sequence[Tensor]], remainders: Sequence[Tensor],
-                 absmaxes: Sequence[Tensor]) -> None:
+                 absmaxes: Sequence[Tensor], rounding: Tensor | None = None) -> None:
         self.params = list(params)
+        self.rounding = rounding
         self.remainders = list(remainders)
         # Each state list as views shaped like the params (paired element by element in memory order).
         self.stored = [shaped_like(list(state), self.params) for state in states]
@@ -87,6 +93,11 @@ class StepOperands:
         """Store the fp32 ``values`` of state list k, each in its format (codes and absmax)."""
         plain, plain_values = [], []
         for i, (state, value) in enumerate(zip(self.stored[k], values)):
+            if self._rounds_stochastically(k, i):
+                laid_out = torch.empty_like(state, dtype=torch.float32).copy_(value)  # the state's memory order
+                rounded = round_bf16_stochastic(laid_out, self.rounding[i, 0], k, self.rounding[i, 1])
+                commit([state], [rounded], taken)
+                continue
             if state.dtype not in BLOCKED_STATE_DTYPES:
                 plain.append(state)
                 plain_values.append(value)
@@ -97,6 +108,11 @@ class StepOperands:
             codes, new_absmax = quantize(value.float(), state.dtype, state.numel() // absmax.numel())
             commit([state, absmax.view(-1)], [codes, new_absmax.reshape(-1)], taken)
         commit(plain, plain_values, taken)
+
+    def _rounds_stochastically(self, k: int, i: int) -> bool:
+        # A bf16 state in a format (of an fp32 or remainder master), with the op's rounding rows.
+        return (self.rounding is not None and self.stored[k][i].dtype == torch.bfloat16
+                and not self.keeps_legacy_state(k, i))
 
     def write_masters(self, values: Sequence[Tensor], taken: Union[bool, Tensor],
                       model_params: Sequence[Tensor] = ()) -> None:

@@ -25,10 +25,10 @@ _OP = "fused_adagrad_"
 
 
 def _fake_fused_adagrad(params, grads, state_sums, model_params, master_remainders, state_absmaxes, lr, eps,
-                        weight_decay, adagrad_w_mode, inv_scale=None, found_inf=None) -> None:
+                        weight_decay, adagrad_w_mode, inv_scale=None, found_inf=None, state_rounding=None) -> None:
     device = check.device_of(*params, inv_scale, found_inf)
     check.fused_step(_OP, device, params, grads, {"state_sums": state_sums}, model_params, master_remainders,
-                     state_absmaxes, inv_scale, found_inf)
+                     state_absmaxes, inv_scale, found_inf, state_rounding)
     check.host_numbers(_OP, lr=(lr, lr >= 0.0, ">= 0"), eps=(eps, eps >= 0.0, ">= 0"),
                        weight_decay=(weight_decay, weight_decay >= 0.0, ">= 0"))
 
@@ -48,6 +48,7 @@ def fused_adagrad_(
     adagrad_w_mode: bool,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    state_rounding: Optional[Tensor] = None,
 ) -> None:
     """Adagrad over whole lists: grads unscaled by ``inv_scale``, ``state_sums`` += grad², weight decay
     added to the gradient (L2) or to the update (``adagrad_w_mode``), the sums read and written in their
@@ -55,13 +56,13 @@ def fused_adagrad_(
     (apex_amp/optimizers/_state_operands.py), the fp16/bf16 ``model_params`` written from the updated
     fp32 params; nothing changes when ``found_inf`` is non-zero."""
     _fake_fused_adagrad(params, grads, state_sums, model_params, master_remainders, state_absmaxes, lr, eps,
-                        weight_decay, adagrad_w_mode, inv_scale, found_inf)
+                        weight_decay, adagrad_w_mode, inv_scale, found_inf, state_rounding)
     check.fused_memory(_OP, params, {"state_sums": state_sums}, model_params, master_remainders, state_absmaxes)
     taken = step_taken(found_inf)
     if taken is False or not params:
         return
     grads, model_params = (shaped_like(t, params) for t in (grads, model_params))
-    operands = StepOperands(params, [state_sums], master_remainders, state_absmaxes)
+    operands = StepOperands(params, [state_sums], master_remainders, state_absmaxes, state_rounding)
     lr, eps, weight_decay = f32(lr), f32(eps), f32(weight_decay)
     grad = unscaled_fp32(grads, inv_scale)
     param = operands.masters
@@ -102,6 +103,11 @@ class FusedAdagrad(FusedOptimizer):
             of two in [32, 4096], default 256); also a param-group key.
         min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
             keep fp32 state (default 4096); also a param-group key.
+        state_rounding: how bf16 state is stored: ``"nearest"`` (to nearest even, default) or
+            ``"stochastic"`` (unbiased random rounding, seeded: docs/low_precision_state.md); needs
+            ``state_precision="bf16"``; also a param-group key.
+        state_rounding_seed: the seed of ``"stochastic"``: an int, a ``torch.Generator`` (drawn
+            from once) or None (drawn from torch's default generator); also a param-group key.
 
     Example::
 
@@ -123,6 +129,8 @@ class FusedAdagrad(FusedOptimizer):
         state_precision: str = "fp32",
         state_block_size: int = 256,
         min_quantized_numel: int = 4096,
+        state_rounding: str = "nearest",
+        state_rounding_seed: Union[int, torch.Generator, None] = None,
     ) -> None:
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}; it must be >= 0")
@@ -132,7 +140,8 @@ class FusedAdagrad(FusedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}; it must be >= 0")
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay), set_grad_none=set_grad_none,
                          master_weights=master_weights, state_precision=state_precision,
-                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel,
+                         state_rounding=state_rounding, state_rounding_seed=state_rounding_seed)
         self.adagrad_w_mode = bool(adagrad_w_mode)
 
     def _fused_step(self, group: dict[str, Any], batch: FusedBatch, amp: AmpStepArgs) -> None:
@@ -143,4 +152,5 @@ class FusedAdagrad(FusedOptimizer):
             None if amp.inv_scale is None else amp.inv_scale.to(device),
             None if amp.found_inf is None else amp.found_inf.to(device),
             master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
+            state_rounding=batch.state_rounding(),
         )

@@ -61,11 +61,12 @@ def _adam_math(params, grads, exp_avgs, exp_avg_sqs, inv_scale, step_size, bc2_s
 
 def _fake_fused_adam(
     params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step, lr, beta1,
-    beta2, eps, weight_decay, adamw_mode, bias_correction, inv_scale=None, found_inf=None,
+    beta2, eps, weight_decay, adamw_mode, bias_correction, inv_scale=None, found_inf=None, state_rounding=None,
 ) -> None:
     op, device = _OP, step.device
     check.fused_step(op, device, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
-                     model_params, master_remainders, state_absmaxes, inv_scale, found_inf)
+                     model_params, master_remainders, state_absmaxes, inv_scale, found_inf,
+                     state_rounding)
     check.scalars(op, device, step=step)
     check.adam_numbers(op, lr, beta1, beta2, eps, weight_decay)
 
@@ -90,6 +91,7 @@ def fused_adam_(
     bias_correction: bool,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    state_rounding: Optional[Tensor] = None,
 ) -> None:
     """Adam/AdamW over whole lists: grads unscaled by ``inv_scale``, the moments read and written in
     their formats and the masters joined from and split into ``master_remainders``
@@ -97,7 +99,7 @@ def fused_adam_(
     updated fp32 params; ``step`` incremented first. Nothing changes when ``found_inf`` is non-zero."""
     _fake_fused_adam(
         params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-        lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, inv_scale, found_inf,
+        lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, inv_scale, found_inf, state_rounding,
     )
     check.fused_memory(_OP, params, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, model_params,
                        master_remainders, state_absmaxes)
@@ -107,7 +109,7 @@ def fused_adam_(
     step_after = step + 1.0
     if params:
         grads, model_params = (shaped_like(tensors, params) for tensors in (grads, model_params))
-        operands = StepOperands(params, [exp_avgs, exp_avg_sqs], master_remainders, state_absmaxes)
+        operands = StepOperands(params, [exp_avgs, exp_avg_sqs], master_remainders, state_absmaxes, state_rounding)
         step_size, bc2_sqrt = _adam_step_scalars(step_after, lr, beta1, beta2, bias_correction)
         hyper = tuple(f32(h) for h in (lr, beta1, beta2, eps, weight_decay)) + (adamw_mode,)
         param, exp_avg, exp_avg_sq = _adam_math(
@@ -167,6 +169,11 @@ class FusedAdam(FusedOptimizer):
             of two in [32, 4096], default 256); also a param-group key.
         min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
             keep fp32 state (default 4096); also a param-group key.
+        state_rounding: how bf16 state is stored: ``"nearest"`` (to nearest even, default) or
+            ``"stochastic"`` (unbiased random rounding, seeded: docs/low_precision_state.md); needs
+            ``state_precision="bf16"``; also a param-group key.
+        state_rounding_seed: the seed of ``"stochastic"``: an int, a ``torch.Generator`` (drawn
+            from once) or None (drawn from torch's default generator); also a param-group key.
 
     Example::
 
@@ -196,6 +203,8 @@ class FusedAdam(FusedOptimizer):
         state_precision: str = "fp32",
         state_block_size: int = 256,
         min_quantized_numel: int = 4096,
+        state_rounding: str = "nearest",
+        state_rounding_seed: Union[int, torch.Generator, None] = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
@@ -210,7 +219,8 @@ class FusedAdam(FusedOptimizer):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay)
         super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, state_precision=state_precision,
-                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel,
+                         state_rounding=state_rounding, state_rounding_seed=state_rounding_seed)
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
 
@@ -223,6 +233,7 @@ class FusedAdam(FusedOptimizer):
             weight_decay=group["weight_decay"], adamw_mode=self.adam_w_mode,
             bias_correction=group["bias_correction"], model_params=batch.model_params,
             master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
+            state_rounding=batch.state_rounding(),
             inv_scale=None if amp.inv_scale is None else amp.inv_scale.to(device),
             found_inf=None if amp.found_inf is None else amp.found_inf.to(device),
         )

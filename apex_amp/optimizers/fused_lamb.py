@@ -27,10 +27,10 @@ _OP = "fused_lamb_"
 
 def _fake_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
                      grad_norm, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, adam_w_mode,
-                     max_grad_norm, use_nvlamb, inv_scale=None, found_inf=None) -> None:
+                     max_grad_norm, use_nvlamb, inv_scale=None, found_inf=None, state_rounding=None) -> None:
     device = step.device
     check.fused_step(_OP, device, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
-                     model_params, master_remainders, state_absmaxes, inv_scale, found_inf)
+                     model_params, master_remainders, state_absmaxes, inv_scale, found_inf, state_rounding)
     check.scalars(_OP, device, step=step, grad_norm=grad_norm)
     check.adam_numbers(_OP, lr, beta1, beta2, eps, weight_decay,
                        max_grad_norm=(max_grad_norm, max_grad_norm > 0.0, "> 0 (inf: no clipping)"))
@@ -60,6 +60,7 @@ def fused_lamb_(
     use_nvlamb: bool,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    state_rounding: Optional[Tensor] = None,
 ) -> None:
     """LAMB over whole lists: gradients unscaled by ``inv_scale`` and divided by the global-norm clip
     (``grad_norm``, the norm of the gradients as given, times ``inv_scale``, over ``max_grad_norm``
@@ -71,7 +72,7 @@ def fused_lamb_(
     (apex_amp/optimizers/_state_operands.py). Nothing changes when ``found_inf`` is non-zero."""
     _fake_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
                      grad_norm, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, adam_w_mode,
-                     max_grad_norm, use_nvlamb, inv_scale, found_inf)
+                     max_grad_norm, use_nvlamb, inv_scale, found_inf, state_rounding)
     check.fused_memory(_OP, params, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, model_params,
                        master_remainders, state_absmaxes)
     taken = step_taken(found_inf)
@@ -80,7 +81,7 @@ def fused_lamb_(
     step_after = step + 1.0
     if params:
         grads, model_params = (shaped_like(t, params) for t in (grads, model_params))
-        operands = StepOperands(params, [exp_avgs, exp_avg_sqs], master_remainders, state_absmaxes)
+        operands = StepOperands(params, [exp_avgs, exp_avg_sqs], master_remainders, state_absmaxes, state_rounding)
         lr, beta1, beta2, eps, weight_decay = (f32(v) for v in (lr, beta1, beta2, eps, weight_decay))
         beta3 = f32(1.0 - beta1) if grad_averaging else 1.0
         count = step_after.reshape(()).double()
@@ -151,6 +152,11 @@ class FusedLAMB(FusedOptimizer):
             of two in [32, 4096], default 256); also a param-group key.
         min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
             keep fp32 state (default 4096); also a param-group key.
+        state_rounding: how bf16 state is stored: ``"nearest"`` (to nearest even, default) or
+            ``"stochastic"`` (unbiased random rounding, seeded: docs/low_precision_state.md); needs
+            ``state_precision="bf16"``; also a param-group key.
+        state_rounding_seed: the seed of ``"stochastic"``: an int, a ``torch.Generator`` (drawn
+            from once) or None (drawn from torch's default generator); also a param-group key.
 
     Example::
 
@@ -182,6 +188,8 @@ class FusedLAMB(FusedOptimizer):
         state_precision: str = "fp32",
         state_block_size: int = 256,
         min_quantized_numel: int = 4096,
+        state_rounding: str = "nearest",
+        state_rounding_seed: Union[int, torch.Generator, None] = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
@@ -195,7 +203,8 @@ class FusedLAMB(FusedOptimizer):
                         weight_decay=weight_decay, grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
         super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights,
                          master_dtypes=master_dtypes, state_precision=state_precision,
-                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel,
+                         state_rounding=state_rounding, state_rounding_seed=state_rounding_seed)
         self.adam_w_mode = bool(adam_w_mode)
         self.use_nvlamb = bool(use_nvlamb)
         self._grad_norms: dict[torch.device, Tensor] = {}
@@ -223,6 +232,7 @@ class FusedLAMB(FusedOptimizer):
             None if amp.inv_scale is None else amp.inv_scale.to(device),
             None if amp.found_inf is None else amp.found_inf.to(device),
             master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
+            state_rounding=batch.state_rounding(),
         )
 
 
@@ -250,6 +260,11 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             of two in [32, 4096], default 256); also a param-group key.
         min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
             keep fp32 state (default 4096); also a param-group key.
+        state_rounding: how bf16 state is stored: ``"nearest"`` (to nearest even, default) or
+            ``"stochastic"`` (unbiased random rounding, seeded: docs/low_precision_state.md); needs
+            ``state_precision="bf16"``; also a param-group key.
+        state_rounding_seed: the seed of ``"stochastic"``: an int, a ``torch.Generator`` (drawn
+            from once) or None (drawn from torch's default generator); also a param-group key.
 
     Example::
 
@@ -276,6 +291,8 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         state_precision: str = "fp32",
         state_block_size: int = 256,
         min_quantized_numel: int = 4096,
+        state_rounding: str = "nearest",
+        state_rounding_seed: Union[int, torch.Generator, None] = None,
     ) -> None:
         _check_reduced_precision_dtype(reduced_precision_dtype)
         self.initial_step = float(step)  # read by add_param_group, which the constructor calls
@@ -283,7 +300,8 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
             amsgrad=amsgrad, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging, set_grad_none=True,
             max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb, master_weights=True, state_precision=state_precision,
-                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel,
+                         state_rounding=state_rounding, state_rounding_seed=state_rounding_seed)
         # Read by every step, as apex's did: code that sets it after construction gets its masters.
         self.reduced_precision_dtype = reduced_precision_dtype
 

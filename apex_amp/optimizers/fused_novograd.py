@@ -28,10 +28,10 @@ _UNSEEN = -1.0
 
 def _fake_fused_novograd(params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes,
                          step, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging,
-                         reg_inside_moment, norm_type, inv_scale=None, found_inf=None) -> None:
+                         reg_inside_moment, norm_type, inv_scale=None, found_inf=None, state_rounding=None) -> None:
     device = step.device
     check.fused_step(_OP, device, params, grads, {"exp_avgs": exp_avgs}, model_params, master_remainders,
-                     state_absmaxes, inv_scale, found_inf)
+                     state_absmaxes, inv_scale, found_inf, state_rounding)
     if len(exp_avg_sqs) != len(params):
         check.fail(_OP, f"params holds {len(params)} tensors but exp_avg_sqs holds {len(exp_avg_sqs)}; "
                         "pass one one-element second moment per param")
@@ -64,6 +64,7 @@ def fused_novograd_(
     norm_type: int,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    state_rounding: Optional[Tensor] = None,
 ) -> None:
     """NovoGrad over whole lists: each tensor's unscaled gradient norm (L2, or L-infinity with
     ``norm_type`` 0) blended into its one-element second moment in ``exp_avg_sqs`` (negative: not
@@ -74,7 +75,7 @@ def fused_novograd_(
     ``found_inf`` is non-zero."""
     _fake_fused_novograd(params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes,
                          step, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging,
-                         reg_inside_moment, norm_type, inv_scale, found_inf)
+                         reg_inside_moment, norm_type, inv_scale, found_inf, state_rounding)
     check.fused_memory(_OP, params, {"exp_avgs": exp_avgs}, model_params, master_remainders, state_absmaxes)
     check.disjoint_within(_OP, exp_avg_sqs=exp_avg_sqs)
     taken = step_taken(found_inf)
@@ -83,7 +84,7 @@ def fused_novograd_(
     step_after = step + 1.0
     if params:
         grads, model_params = (shaped_like(t, params) for t in (grads, model_params))
-        operands = StepOperands(params, [exp_avgs], master_remainders, state_absmaxes)
+        operands = StepOperands(params, [exp_avgs], master_remainders, state_absmaxes, state_rounding)
         lr, beta1, beta2, eps, weight_decay = (f32(v) for v in (lr, beta1, beta2, eps, weight_decay))
         beta3 = f32(1.0 - beta1) if grad_averaging else 1.0
         count = step_after.reshape(()).double()
@@ -155,6 +156,11 @@ class FusedNovoGrad(FusedOptimizer):
             of two in [32, 4096], default 256); also a param-group key.
         min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
             keep fp32 state (default 4096); also a param-group key.
+        state_rounding: how bf16 state is stored: ``"nearest"`` (to nearest even, default) or
+            ``"stochastic"`` (unbiased random rounding, seeded: docs/low_precision_state.md); needs
+            ``state_precision="bf16"``; also a param-group key.
+        state_rounding_seed: the seed of ``"stochastic"``: an int, a ``torch.Generator`` (drawn
+            from once) or None (drawn from torch's default generator); also a param-group key.
 
     Example::
 
@@ -183,6 +189,8 @@ class FusedNovoGrad(FusedOptimizer):
         state_precision: str = "fp32",
         state_block_size: int = 256,
         min_quantized_numel: int = 4096,
+        state_rounding: str = "nearest",
+        state_rounding_seed: Union[int, torch.Generator, None] = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
@@ -196,7 +204,8 @@ class FusedNovoGrad(FusedOptimizer):
                         weight_decay=weight_decay, grad_averaging=grad_averaging, norm_type=norm_type,
                         init_zero=init_zero)
         super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, state_precision=state_precision,
-                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel,
+                         state_rounding=state_rounding, state_rounding_seed=state_rounding_seed)
         self.reg_inside_moment = bool(reg_inside_moment)
 
     def _new_state(self, target: Tensor, group: dict[str, Any], layout: Any) -> dict[str, Tensor]:
@@ -217,4 +226,5 @@ class FusedNovoGrad(FusedOptimizer):
             None if amp.inv_scale is None else amp.inv_scale.to(device),
             None if amp.found_inf is None else amp.found_inf.to(device),
             master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
+            state_rounding=batch.state_rounding(),
         )

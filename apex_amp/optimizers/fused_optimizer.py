@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .._dtensor import is_dtensor, local_tensor, sharded_like
 from .._dtypes import HALF_DTYPES
+from . import _state_rounding as rounding
 from . import _state_storage as storage
 from ._batch_plan import BatchPlan, FusedBatch, copy_of_step, merge_fp32_into_copy_batches
 from .state_conversion import adopt_loaded_state
@@ -79,6 +80,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             in [32, 4096]); also a param-group key.
         min_quantized_numel: parameters with fewer elements (counted on the global, unsharded
             shape) keep fp32 state; also a param-group key.
+        state_rounding: how bf16 state is rounded: ``"nearest"`` (even; default) or ``"stochastic"``
+            (unbiased, with a seeded counter-based generator; needs ``state_precision="bf16"``);
+            also a param-group key.
+        state_rounding_seed: the seed of stochastic rounding: an int, a ``torch.Generator`` (one
+            draw), or None (drawn from torch's default generator); also a param-group key.
 
     Example::
 
@@ -113,6 +119,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         state_precision: str = "fp32",
         state_block_size: int = storage.DEFAULT_BLOCK_SIZE,
         min_quantized_numel: int = storage.DEFAULT_MIN_QUANTIZED_NUMEL,
+        state_rounding: str = "nearest",
+        state_rounding_seed: Union[int, torch.Generator, None] = None,
     ) -> None:
         if master_weights not in (True, False, "remainder"):
             raise ValueError(f"master_weights must be True, False or 'remainder', got {master_weights!r}")
@@ -121,8 +129,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.master_weights = bool(master_weights) and not self.remainder_masters
         self.master_dtypes = tuple(master_dtypes)
         defaults = {**defaults, "state_precision": state_precision, "state_block_size": state_block_size,
-                    "min_quantized_numel": min_quantized_numel}
+                    "min_quantized_numel": min_quantized_numel, "state_rounding": state_rounding,
+                    "state_rounding_seed": state_rounding_seed}
         storage.check_group(defaults)
+        rounding.check_group(defaults)
         super().__init__(params, defaults)
         self._group_keys = tuple(defaults)  # torch's load_state_dict adds its own keys to self.defaults
         self.set_grad_none = bool(set_grad_none)
@@ -150,6 +160,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         storage.check_group(group)
+        rounding.check_group(group)
         if self.remainder_masters:
             _refuse_fp16_remainders(group)
 
@@ -235,6 +246,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         batches = [(group, batch) for group in self.param_groups for batch in self._batches(group, amp)]
+        self._prepare_rounding(batches)
         self._before_groups(batches, amp)
         for group, batch in batches:
             self._fused_step(group, batch, amp)
@@ -243,6 +255,25 @@ class FusedOptimizer(torch.optim.Optimizer):
         for _, batch in batches:
             batch.grads = []  # a reused plan's batches must not keep this step's gradients alive
         return loss
+
+    def _prepare_rounding(self, batches: list[tuple[dict[str, Any], FusedBatch]]) -> None:
+        # Each stochastic group's counter advances once per step; each batch gets its rows.
+        counters: dict[int, Tensor] = {}
+        index_of: Optional[dict[int, int]] = None
+        for group, batch in batches:
+            if not rounding.stochastic(group):
+                batch.rounding_rows = None
+                continue
+            if id(group) not in counters:
+                counters[id(group)] = rounding.advance_counter(group)
+            seed = group["state_rounding_seed"]
+            if batch.rounding_table is None or batch.rounding_seed != seed:
+                if index_of is None:  # the params' indices as state_dict() numbers them
+                    params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+                    index_of = {id(p): index for index, p in enumerate(params)}
+                batch.rounding_table = rounding.rounding_table(seed, batch.owners, index_of, batch.device)
+                batch.rounding_seed = seed
+            batch.rounding_rows = rounding.rounding_rows(batch.rounding_table, counters[id(group)])
 
     def _resolve_scaling(self, amp: Optional[AmpStepArgs], apex_arguments: dict[str, Any]) -> AmpStepArgs:
         legacy = [name for name in _APEX_LEGACY_ARGUMENTS if apex_arguments.get(name) is not None]
@@ -462,10 +493,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         # The state is converted to this optimizer's formats: its groups' precision settings win
         # over the checkpoint's (torch's load takes every group key from the checkpoint).
         configured = [{key: group[key] for key in storage.PRECISION_KEYS} for group in self.param_groups]
+        # The groups keep their state_rounding; the checkpoint's seed and counter (a resume) win.
+        own_rounding = [{key: group.get(key) for key in (*rounding.ROUNDING_KEYS, rounding.COUNTER_KEY)}
+                        for group in self.param_groups]
         super().load_state_dict(state_dict)
         self._batch_plans = {}
-        for group, settings in zip(self.param_groups, configured):
+        for group, settings, own in zip(self.param_groups, configured, own_rounding):
             group.update(settings)
+            rounding.adopt_loaded(group, own)
         for group in self.param_groups:  # a torch.optim state may lack some of our group keys
             for key in self._group_keys:
                 group.setdefault(key, self.defaults[key])

@@ -26,11 +26,11 @@ _OP = "fused_sgd_"
 
 def _fake_fused_sgd(params, grads, momentum_buffers, model_params, master_remainders, state_absmaxes, lr, momentum,
                     dampening, weight_decay, nesterov, first_run, wd_after_momentum, inv_scale=None,
-                    found_inf=None) -> None:
+                    found_inf=None, state_rounding=None) -> None:
     device = check.device_of(*params, inv_scale, found_inf)
     states = {"momentum_buffers": momentum_buffers} if momentum_buffers else {}
     check.fused_step(_OP, device, params, grads, states, model_params, master_remainders, state_absmaxes,
-                     inv_scale, found_inf)
+                     inv_scale, found_inf, state_rounding)
     check.host_numbers(
         _OP, lr=(lr, lr >= 0.0, ">= 0"), momentum=(momentum, momentum >= 0.0, ">= 0"),
         dampening=(dampening, 0.0 <= dampening <= 1.0, "in [0, 1]"),
@@ -60,6 +60,7 @@ def fused_sgd_(
     wd_after_momentum: bool,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    state_rounding: Optional[Tensor] = None,
 ) -> None:
     """SGD over whole lists: grads unscaled by ``inv_scale``, ``weight_decay`` added before the momentum
     (after it with ``wd_after_momentum``), ``momentum_buffers`` (none when momentum is 0) set to the
@@ -68,14 +69,15 @@ def fused_sgd_(
     fp16/bf16 ``model_params`` written from the updated fp32 params; nothing changes when
     ``found_inf`` is non-zero."""
     _fake_fused_sgd(params, grads, momentum_buffers, model_params, master_remainders, state_absmaxes, lr, momentum,
-                    dampening, weight_decay, nesterov, first_run, wd_after_momentum, inv_scale, found_inf)
+                    dampening, weight_decay, nesterov, first_run, wd_after_momentum, inv_scale, found_inf,
+                    state_rounding)
     states = {"momentum_buffers": momentum_buffers} if momentum_buffers else {}
     check.fused_memory(_OP, params, states, model_params, master_remainders, state_absmaxes)
     taken = step_taken(found_inf)
     if taken is False or not params:
         return
     grads, model_params = (shaped_like(t, params) for t in (grads, model_params))
-    operands = StepOperands(params, list(states.values()), master_remainders, state_absmaxes)
+    operands = StepOperands(params, list(states.values()), master_remainders, state_absmaxes, state_rounding)
     lr, momentum, weight_decay = f32(lr), f32(momentum), f32(weight_decay)
     grad = unscaled_fp32(grads, inv_scale)
     param = operands.masters
@@ -128,6 +130,11 @@ class FusedSGD(FusedOptimizer):
             of two in [32, 4096], default 256); also a param-group key.
         min_quantized_numel: parameters with fewer elements (of the global, unsharded shape)
             keep fp32 state (default 4096); also a param-group key.
+        state_rounding: how bf16 state is stored: ``"nearest"`` (to nearest even, default) or
+            ``"stochastic"`` (unbiased random rounding, seeded: docs/low_precision_state.md); needs
+            ``state_precision="bf16"``; also a param-group key.
+        state_rounding_seed: the seed of ``"stochastic"``: an int, a ``torch.Generator`` (drawn
+            from once) or None (drawn from torch's default generator); also a param-group key.
 
     Example::
 
@@ -150,6 +157,8 @@ class FusedSGD(FusedOptimizer):
         state_precision: str = "fp32",
         state_block_size: int = 256,
         min_quantized_numel: int = 4096,
+        state_rounding: str = "nearest",
+        state_rounding_seed: Union[int, torch.Generator, None] = None,
     ) -> None:
         # apex's and torch's convention: without lr= every param group must give its own
         # (torch's add_param_group names a group that does not).
@@ -168,7 +177,8 @@ class FusedSGD(FusedOptimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov)
         super().__init__(params, defaults, set_grad_none=set_grad_none, master_weights=master_weights, state_precision=state_precision,
-                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel)
+                         state_block_size=state_block_size, min_quantized_numel=min_quantized_numel,
+                         state_rounding=state_rounding, state_rounding_seed=state_rounding_seed)
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
 
@@ -203,4 +213,5 @@ class FusedSGD(FusedOptimizer):
                 None if amp.inv_scale is None else amp.inv_scale.to(device), found_inf,
                 master_remainders=pick(batch.master_remainders) if batch.master_remainders else [],
                 state_absmaxes=batch.state_absmaxes(None if len(indices) == len(batch.params) else indices),
+                state_rounding=batch.state_rounding(None if len(indices) == len(batch.params) else indices),
             )

@@ -92,6 +92,8 @@ def fp32_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     for group in converted["param_groups"]:
         if "state_precision" in group:
             group["state_precision"] = "fp32"
+        if "state_rounding" in group:
+            group["state_rounding"] = "nearest"  # fp32 state is not rounded
     for index, state in state_dict["state"].items():
         new = {}
         for key, value in state.items():

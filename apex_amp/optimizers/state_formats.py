@@ -33,6 +33,19 @@ row (dim 0 index), because FSDP2 shards cut only between rows: the block size
 is the largest power of two <= ``state_block_size`` dividing the row's element
 count, and a tensor without one (1-D tensors, odd row sizes) keeps fp32.
 
+Stochastic rounding of bf16 state (``state_rounding="stochastic"``): instead of rounding to
+nearest even, an fp32 value is rounded to one of its two bf16 neighbours with probabilities
+proportional to its distance from the other (:func:`round_bf16_stochastic`): a 16-bit random
+integer ``r`` is added to the low 16 bits of the fp32 pattern and the low 16 bits are dropped,
+so the expected value is the fp32 value itself. NaN and inf stay what round-to-nearest-even
+makes of them, and a finite value becomes inf only where round-to-nearest-even's does (values
+between bf16's largest finite number and the rounding boundary above it round down). ``r`` is a
+pure function of (stream key, state index, element index) (:func:`rounding_bits`: a counter-based
+hash of 32-bit integer mixes, the same in the kernels, csrc/state_formats.h); the key of a
+parameter at a step is :func:`rounding_key` (seed, step counter, the parameter's index in the
+optimizer), and the element index counts in the *whole* parameter, so an FSDP2 shard draws the
+bits that one rank draws for the same elements.
+
 Remainder masters (``master_weights="remainder"``): the fp32 master of a bf16
 weight is kept as the weight plus a 16-bit remainder (:func:`split_master`,
 :func:`join_master`); the weight is the master rounded to the nearest bf16,
@@ -52,7 +65,8 @@ from torch import Tensor
 __all__ = [
     "StatePrecision", "StateLayout", "DEFAULT_BLOCK_SIZE", "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE",
     "DEFAULT_MIN_QUANTIZED_NUMEL", "FP8_MAX", "dynamic_map", "state_layout", "storage_dtype",
-    "quantize", "dequantize", "split_master", "join_master",
+    "quantize", "dequantize", "split_master", "join_master", "StateRounding", "rounding_key", "rounding_bits",
+    "round_bf16_stochastic",
 ]
 
 DEFAULT_BLOCK_SIZE = 256
@@ -87,6 +101,21 @@ class StatePrecision(str, enum.Enum):
         except ValueError:
             choices = ", ".join(repr(p.value) for p in cls)
             raise ValueError(f"state_precision must be one of {choices}, got {value!r}") from None
+
+
+class StateRounding(str, enum.Enum):
+    """How a bf16 state is rounded when it is stored (``state_rounding=``)."""
+
+    NEAREST = "nearest"  # to nearest even, as Tensor.to(torch.bfloat16)
+    STOCHASTIC = "stochastic"  # up or down at random, unbiased (round_bf16_stochastic)
+
+    @classmethod
+    def parse(cls, value: object) -> "StateRounding":
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(r.value) for r in cls)
+            raise ValueError(f"state_rounding must be one of {choices}, got {value!r}") from None
 
 
 class StateLayout(NamedTuple):
@@ -303,3 +332,104 @@ def _int16_of(unsigned: Tensor) -> Tensor:
 
 def _int32_of(unsigned: Tensor) -> Tensor:
     return torch.where(unsigned >= 0x80000000, unsigned - 0x100000000, unsigned).to(torch.int32)
+
+
+# ---- stochastic rounding of bf16 state --------------------------------------------------------------
+# Every step below is an operation on 32-bit values held in int64 (Python ints or int64 tensors):
+# the multipliers are below 2**31, so a product of a 32-bit value stays below 2**63 and no int64
+# ever overflows; the kernels do the same in uint32 arithmetic (csrc/state_formats.h).
+_MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B9  # 2**32 / golden ratio: separates the inputs of the mixes
+# A two-multiply 32-bit mix (xorshift-multiply, constants from C. Wellons' hash-prospector, chosen
+# among its best for multipliers below 2**31).
+_MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
+_COUNTER_SHIFT = 32  # a key holds the step counter in its high 32 bits
+MAX_ROUNDING_COUNTER = 2 ** 31 - 1  # keys stay non-negative int64
+
+
+def _mix32(x):
+    # x: a value in [0, 2**32) (an int or an int64 tensor); a bijection of [0, 2**32).
+    x = x ^ (x >> 16)
+    x = (x * _MIX_MULTIPLIERS[0]) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MIX_MULTIPLIERS[1]) & _MASK32
+    return x ^ (x >> 15)
+
+
+def _halves(value):
+    # The low and high 32 bits of a 64-bit pattern (an int, or an int64 tensor: two's complement).
+    return value & _MASK32, (value >> 32) & _MASK32
+
+
+def rounding_key(seed: int, counter, param_index: int):
+    """The stream key of parameter ``param_index`` at step ``counter`` of a run seeded with ``seed``.
+
+    ``counter`` (an int, or an int64 tensor on the device: the optimizer's step counter) lands in
+    the key's high 32 bits, a hash of (seed, param_index) in the low ones; the ops take one key
+    per tensor (their ``state_rounding`` argument).
+
+    Example::
+
+        >>> rounding_key(0, 1, 0) != rounding_key(0, 2, 0) != rounding_key(1, 1, 0)
+        True
+    """
+    seed_low, seed_high = _halves(int(seed))
+    stream = _mix32(_mix32(_mix32(int(param_index) & _MASK32 ^ _GOLDEN32) ^ seed_low) ^ seed_high)
+    return (counter << _COUNTER_SHIFT) | stream
+
+
+def _state_stream(key, state_index: int):
+    # One 32-bit stream per (tensor, state list): Adam's two moments draw different bits.
+    low, high = _halves(key)
+    salt = (_GOLDEN32 * (state_index + 1)) & _MASK32
+    return _mix32(_mix32(_mix32(low ^ _GOLDEN32) ^ high) ^ salt)
+
+
+def rounding_bits(key, state_index: int, index: Tensor) -> Tensor:
+    """The 16 random bits (an int64 tensor in [0, 2**16)) that round element ``index`` of state list
+    ``state_index`` of the tensor with stream ``key`` (an int or an int64 scalar tensor).
+
+    ``index`` (int64, >= 0) counts the elements of the whole parameter in memory order.
+
+    Example::
+
+        >>> bits = rounding_bits(rounding_key(0, 1, 0), 0, torch.arange(4))
+        >>> bits.dtype, bool(((bits >= 0) & (bits < 65536)).all())
+        (torch.int64, True)
+    """
+    stream = _state_stream(key, state_index)
+    low, high = _halves(index)
+    return _mix32(_mix32(low ^ stream) ^ high) >> 16
+
+
+def round_bf16_stochastic(values: Tensor, key, state_index: int, offset=0) -> Tensor:
+    """fp32 ``values`` stochastically rounded to bf16, with the bits of stream ``key``.
+
+    Element j (in memory order) of ``values`` is element ``offset + j`` of the whole parameter
+    (an FSDP2 shard's first element is not the parameter's) and takes
+    ``rounding_bits(key, state_index, offset + j)``: ``r`` added to the low half of its fp32
+    pattern, then truncated. Exactly representable values are unchanged; NaN, inf and finite
+    values that round-to-nearest-even sends to inf round as ``Tensor.to(torch.bfloat16)``; no
+    other finite value becomes inf (one that would is rounded to nearest even instead, i.e. down
+    to bf16's largest finite number).
+
+    Example::
+
+        >>> x = torch.full((10000,), 1.0 + 2.0 ** -10)           # a quarter of the way to the next bf16
+        >>> rounded = round_bf16_stochastic(x, rounding_key(0, 1, 0), 0)
+        >>> sorted(set(rounded.float().tolist()))
+        [1.0, 1.0078125]
+        >>> abs(rounded.float().mean().item() - x[0].item()) < 2e-4    # unbiased
+        True
+    """
+    if values.dtype != torch.float32:
+        raise TypeError(f"round_bf16_stochastic rounds fp32 values, got {values.dtype}")
+    flat = _memory_order(values)
+    index = torch.arange(flat.numel(), dtype=torch.int64, device=values.device) + offset  # an int or a tensor
+    bits = rounding_bits(key, state_index, index)
+    pattern = flat.view(torch.int32).to(torch.int64) & _MASK32
+    high = ((pattern + bits) >> 16) & 0xFFFF
+    stochastic = _int16_of(high).view(torch.bfloat16)
+    nearest = flat.to(torch.bfloat16)
+    keep_nearest = flat.isnan() | (stochastic.isinf() & flat.isfinite())
+    return _like(torch.where(keep_nearest, nearest, stochastic), values)

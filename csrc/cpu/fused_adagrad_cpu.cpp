@@ -25,17 +25,18 @@ void fused_adagrad_cpu(
     double weight_decay,
     bool adagrad_w_mode,
     const std::optional<at::Tensor>& inv_scale,
-    const std::optional<at::Tensor>& found_inf) {
+    const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding) {
   validate_fused_adagrad(
       params, grads, state_sums, model_params, master_remainders, state_absmaxes, lr, eps,
-      weight_decay, inv_scale, found_inf, at::kCPU);
+      weight_decay, inv_scale, found_inf, state_rounding, at::kCPU);
   if (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.f) {
     return;
   }
   const AdagradHyper hyper{
       static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(weight_decay), adagrad_w_mode};
   const FusedLists lists(
-      params, grads, {state_sums}, model_params, master_remainders, state_absmaxes);
+      params, grads, {state_sums}, model_params, master_remainders, state_absmaxes, state_rounding);
   active_kernels().adagrad(lists.plan(), lists.operands(), hyper, value_or_one(inv_scale));
 }
 

@@ -41,10 +41,11 @@ void fused_adam_cpu(
     bool adamw_mode,
     bool bias_correction,
     const std::optional<at::Tensor>& inv_scale,
-    const std::optional<at::Tensor>& found_inf) {
+    const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding) {
   validate_fused_adam(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf, at::kCPU);
+      lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf, state_rounding, at::kCPU);
   const std::optional<float> step_after = take_step(step, found_inf);
   if (!step_after) {
     return;
@@ -53,7 +54,7 @@ void fused_adam_cpu(
       adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
   prepare_step(hyper, *step_after);
   const FusedLists lists(
-      params, grads, {exp_avgs, exp_avg_sqs}, model_params, master_remainders, state_absmaxes);
+      params, grads, {exp_avgs, exp_avg_sqs}, model_params, master_remainders, state_absmaxes, state_rounding);
   active_kernels().adam(lists.plan(), lists.operands(), hyper, value_or_one(inv_scale));
 }
 

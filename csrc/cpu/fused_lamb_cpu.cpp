@@ -41,10 +41,11 @@ void fused_lamb_cpu(
     double max_grad_norm,
     bool use_nvlamb,
     const std::optional<at::Tensor>& inv_scale,
-    const std::optional<at::Tensor>& found_inf) {
+    const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding) {
   validate_fused_lamb(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      grad_norm, lr, beta1, beta2, eps, weight_decay, max_grad_norm, inv_scale, found_inf, at::kCPU);
+      grad_norm, lr, beta1, beta2, eps, weight_decay, max_grad_norm, inv_scale, found_inf, state_rounding, at::kCPU);
   const std::optional<float> step_after = take_step(step, found_inf);
   if (!step_after) {
     return;
@@ -57,7 +58,7 @@ void fused_lamb_cpu(
   prepare_step(hyper, *step_after);
 
   const FusedLists lists(
-      params, grads, {exp_avgs, exp_avg_sqs}, model_params, master_remainders, state_absmaxes);
+      params, grads, {exp_avgs, exp_avg_sqs}, model_params, master_remainders, state_absmaxes, state_rounding);
   const ListPlan& plan = lists.list_plan();
   std::vector<float> param_squares(plan.num_units());
   std::vector<float> direction_squares(plan.num_units());

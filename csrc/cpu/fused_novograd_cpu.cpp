@@ -37,10 +37,11 @@ void fused_novograd_cpu(
     bool reg_inside_moment,
     int64_t norm_type,
     const std::optional<at::Tensor>& inv_scale,
-    const std::optional<at::Tensor>& found_inf) {
+    const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding) {
   validate_fused_novograd(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      lr, beta1, beta2, eps, weight_decay, norm_type, inv_scale, found_inf, at::kCPU);
+      lr, beta1, beta2, eps, weight_decay, norm_type, inv_scale, found_inf, state_rounding, at::kCPU);
   const std::optional<float> step_after = take_step(step, found_inf);
   if (!step_after) {
     return;
@@ -79,7 +80,7 @@ void fused_novograd_cpu(
       lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment);
   prepare_step(hyper, *step_after);
   const FusedLists lists(
-      params, grads, {exp_avgs}, model_params, master_remainders, state_absmaxes);
+      params, grads, {exp_avgs}, model_params, master_remainders, state_absmaxes, state_rounding);
   active_kernels().novograd(lists.plan(), lists.operands(moments.data()), hyper, inv);
 }
 

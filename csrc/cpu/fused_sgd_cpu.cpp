@@ -28,10 +28,11 @@ void fused_sgd_cpu(
     bool first_run,
     bool wd_after_momentum,
     const std::optional<at::Tensor>& inv_scale,
-    const std::optional<at::Tensor>& found_inf) {
+    const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding) {
   validate_fused_sgd(
       params, grads, momentum_buffers, model_params, master_remainders, state_absmaxes, lr,
-      momentum, dampening, weight_decay, nesterov, inv_scale, found_inf, at::kCPU);
+      momentum, dampening, weight_decay, nesterov, inv_scale, found_inf, state_rounding, at::kCPU);
   if (found_inf.has_value() && *found_inf->data_ptr<float>() != 0.f) {
     return;
   }
@@ -39,7 +40,7 @@ void fused_sgd_cpu(
   if (momentum_buffers.empty()) {
     const PlainSgdHyper hyper{static_cast<float>(lr), static_cast<float>(weight_decay)};
     const FusedLists lists(
-        params, grads, {}, model_params, master_remainders, state_absmaxes);
+        params, grads, {}, model_params, master_remainders, state_absmaxes, state_rounding);
     active_kernels().plain_sgd(lists.plan(), lists.operands(), hyper, inv);
     return;
   }
@@ -47,7 +48,7 @@ void fused_sgd_cpu(
       static_cast<float>(lr), static_cast<float>(momentum), static_cast<float>(dampening),
       static_cast<float>(weight_decay), nesterov, first_run, wd_after_momentum};
   const FusedLists lists(
-      params, grads, {momentum_buffers}, model_params, master_remainders, state_absmaxes);
+      params, grads, {momentum_buffers}, model_params, master_remainders, state_absmaxes, state_rounding);
   active_kernels().sgd(lists.plan(), lists.operands(), hyper, inv);
 }
 

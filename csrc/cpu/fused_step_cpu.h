@@ -70,7 +70,8 @@ class StepFormats {
       at::TensorList params,
       std::initializer_list<at::TensorList> states,
       at::TensorList master_remainders,
-      at::TensorList state_absmaxes) {
+      at::TensorList state_absmaxes,
+      const std::optional<at::Tensor>& state_rounding) {
     const size_t count = params.size();
     const bool has_remainders = !master_remainders.empty();
     formatted_.assign(count, has_remainders ? 1 : 0);
@@ -103,6 +104,7 @@ class StepFormats {
       view_.block[j] = block_[j].data();
     }
     view_.remainder = has_remainders ? remainders_.data() : nullptr;
+    view_.rounding = state_rounding.has_value() ? state_rounding->data_ptr<int64_t>() : nullptr;
   }
 
   // Null when no tensor is formatted: the kernels then run exactly as before formats existed.
@@ -122,7 +124,7 @@ class StepFormats {
 
 // The lists of one fused step, as the kernels see them; `states` in the
 // rule's order (Adam: exp_avgs, exp_avg_sqs), model_params empty for no copy,
-// master_remainders and state_absmaxes as the op takes them (validate.h).
+// master_remainders, state_absmaxes and state_rounding as the op takes them (validate.h).
 class FusedLists {
  public:
   FusedLists(
@@ -131,13 +133,14 @@ class FusedLists {
       std::initializer_list<at::TensorList> states,
       at::TensorList model_params,
       at::TensorList master_remainders,
-      at::TensorList state_absmaxes)
+      at::TensorList state_absmaxes,
+      const std::optional<at::Tensor>& state_rounding = std::nullopt)
       : plan_(params),
         params_(params),
         grads_(grads),
         model_(model_params),
         has_model_(!model_params.empty()),
-        formats_(params, states, master_remainders, state_absmaxes) {
+        formats_(params, states, master_remainders, state_absmaxes, state_rounding) {
     for (at::TensorList state : states) {
       states_.emplace_back(state);
     }

@@ -24,12 +24,16 @@ constexpr int kMaxRuleStates = 2;
 // segment by segment, run the rule, and store them back in their formats.
 // absmax[k][t]: the absmaxes of state k of tensor t (null: not blocked), one
 // per block of block[k][t] elements; remainder[t]: int16 data (null array: none).
+// rounding: null when bf16 states round to nearest even; else the op's
+// state_rounding, two int64 per tensor: (stream key, global index of its
+// first element), and bf16 states round stochastically (state_formats.h).
 struct FormatView {
   const uint8_t* formatted;
   const StateFormat* format[kMaxRuleStates];
   float* const* absmax[kMaxRuleStates];
   const int64_t* block[kMaxRuleStates];
   char* const* remainder;
+  const int64_t* rounding;
 };
 
 // The tensors of one fused optimizer step: params, grads, the rule's state

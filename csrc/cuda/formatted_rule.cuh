@@ -91,7 +91,9 @@ __device__ __forceinline__ float read_formatted_state(
 // the rule's kStates states (any format), then one list that holds the model
 // copy (Model not void) or the remainders (kRemainder) or nothing, then one
 // absmax list per state (the tensor's first absmax: not offset by the chunk)
-// and, for rules that take one, a pointer to the tensor's value.
+// then the tensor's state_rounding row (its stream key and the index of its
+// first element in the whole parameter; null: bf16 states round to nearest
+// even) and, for rules that take one, a pointer to the tensor's value.
 template <typename Hyper, typename Grad, typename Model, bool kRemainder>
 struct FormattedRuleFunctor {
   static constexpr bool kLamb = std::is_same<Hyper, LambHyper>::value;
@@ -102,7 +104,8 @@ struct FormattedRuleFunctor {
   static constexpr bool kWritesModel = !std::is_void<Model>::value;
   static constexpr int kExtraList = 2 + kStates;
   static constexpr int kAbsmaxList = kExtraList + 1;
-  static constexpr int kValueList = kAbsmaxList + kStates;
+  static constexpr int kRoundingList = kAbsmaxList + kStates;
+  static constexpr int kValueList = kRoundingList + 1;
   static constexpr int kDepth = kValueList + (Hyper::kTakesTensorValue ? 1 : 0);
   static_assert(kStates <= kMaxFormattedStates, "");
   static_assert(!(kWritesModel && kRemainder), "remainder masters have no model copy");
@@ -161,6 +164,18 @@ struct FormattedRuleFunctor {
       any_blocked = any_blocked || is_blocked(layouts.format[k]);
     }
     const Grad* grads = static_cast<const Grad*>(chunk.tensor_data[1]);
+    // Stochastic rounding of bf16 states (state_formats.h): each state's stream, and
+    // the global index of the tensor's first element.
+    const int64_t* rounding = static_cast<const int64_t*>(chunk.tensor_data[kRoundingList]);
+    uint32_t streams[kSlots] = {};
+    int64_t global_first = 0;
+    if (rounding != nullptr) {
+#pragma unroll
+      for (int k = 0; k < kStates; ++k) {
+        streams[k] = state_formats::rounding_stream(rounding[0], k);
+      }
+      global_first = rounding[1];
+    }
 
     for (int base = 0; base < chunk.size; base += kFormattedSegment) {
       const int n = chunk.size - base < kFormattedSegment ? chunk.size - base : kFormattedSegment;
@@ -191,7 +206,10 @@ struct FormattedRuleFunctor {
                 static_cast<float*>(data)[e] = s[k];
                 break;
               case StateFormat::kBFloat16:
-                static_cast<c10::BFloat16*>(data)[e] = static_cast<c10::BFloat16>(s[k]);
+                static_cast<c10::BFloat16*>(data)[e] = rounding == nullptr
+                    ? static_cast<c10::BFloat16>(s[k])
+                    : state_formats::round_bf16_stochastic(
+                          s[k], state_formats::rounding_bits(streams[k], global_first + e));
                 break;
               default:
                 staged[k][i] = s[k];
@@ -336,7 +354,8 @@ group_formatted(
     at::TensorList model_params,
     at::TensorList master_remainders,
     at::TensorList state_absmaxes,
-    const float* tensor_values) {
+    const float* tensor_values,
+    const int64_t* state_rounding) {
   using Detail = FormattedRuleFunctor<Hyper, float, void, false>;
   constexpr int kStates = Hyper::kStates;
   constexpr int kDepth = Detail::kDepth;
@@ -365,6 +384,8 @@ group_formatted(
       }
       ++k;
     }
+    entry.data[Detail::kRoundingList] =
+        state_rounding != nullptr ? const_cast<int64_t*>(state_rounding + 2 * i) : nullptr;
     entry.data[Detail::kExtraList] = remainders ? master_remainders[i].data_ptr()
         : (!model_params.empty() ? model_params[i].data_ptr() : nullptr);
     if constexpr (Hyper::kTakesTensorValue) {
@@ -408,7 +429,8 @@ void run_formatted_rule(
     const GradClip& clip) {
   const bool remainders = !master_remainders.empty();
   const auto groups = group_formatted<Hyper>(
-      formatted, params, grads, states, model_params, master_remainders, state_absmaxes, tensor_values);
+      formatted, params, grads, states, model_params, master_remainders, state_absmaxes, tensor_values,
+      args.state_rounding);
   for (const auto& group : groups) {
     dispatch_floating(group.grad, [&](auto grad_tag) {
       using Grad = typename decltype(grad_tag)::type;

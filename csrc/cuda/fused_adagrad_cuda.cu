@@ -28,19 +28,21 @@ void fused_adagrad_cuda(
     double weight_decay,
     bool adagrad_w_mode,
     const std::optional<at::Tensor>& inv_scale,
-    const std::optional<at::Tensor>& found_inf) {
+    const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding) {
   if (params.empty()) {
     return;  // nothing to run, and no tensor to take the device from
   }
   const at::Device device = params[0].device();
   validate_fused_adagrad(
       params, grads, state_sums, model_params, master_remainders, state_absmaxes, lr, eps,
-      weight_decay, inv_scale, found_inf, device);
+      weight_decay, inv_scale, found_inf, state_rounding, device);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const AdagradHyper hyper{
       static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(weight_decay), adagrad_w_mode};
-  const FusedStepArgs args{nullptr, optional_data(inv_scale), optional_data(found_inf)};
+  const FusedStepArgs args{nullptr, optional_data(inv_scale), optional_data(found_inf),
+                           rounding_data(state_rounding)};
   run_rule_with_formats(
       stream, params, grads, {state_sums}, model_params, master_remainders, state_absmaxes, hyper, args);
 }

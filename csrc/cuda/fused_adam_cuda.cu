@@ -33,16 +33,18 @@ void fused_adam_cuda(
     bool adamw_mode,
     bool bias_correction,
     const std::optional<at::Tensor>& inv_scale,
-    const std::optional<at::Tensor>& found_inf) {
+    const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding) {
   const at::Device device = step.device();
   validate_fused_adam(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf, device);
+      lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf, state_rounding, device);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const AdamStepParams hyper =
       adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
-  const FusedStepArgs args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf)};
+  const FusedStepArgs args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf),
+                           rounding_data(state_rounding)};
   run_rule_with_formats(
       stream, params, grads, {exp_avgs, exp_avg_sqs}, model_params, master_remainders, state_absmaxes, hyper, args);
   increment_step(stream, step.data_ptr<float>(), args.found_inf);

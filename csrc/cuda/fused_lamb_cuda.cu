@@ -186,14 +186,16 @@ void fused_lamb_cuda(
     double max_grad_norm,
     bool use_nvlamb,
     const std::optional<at::Tensor>& inv_scale,
-    const std::optional<at::Tensor>& found_inf) {
+    const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding) {
   const at::Device device = step.device();
   validate_fused_lamb(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      grad_norm, lr, beta1, beta2, eps, weight_decay, max_grad_norm, inv_scale, found_inf, device);
+      grad_norm, lr, beta1, beta2, eps, weight_decay, max_grad_norm, inv_scale, found_inf, state_rounding, device);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const FusedStepArgs step_args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf)};
+  const FusedStepArgs step_args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf),
+                                rounding_data(state_rounding)};
   const auto float_options = at::TensorOptions().dtype(at::kFloat).device(device);
   const int64_t num_tensors = static_cast<int64_t>(params.size());
 

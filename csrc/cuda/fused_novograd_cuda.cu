@@ -60,14 +60,16 @@ void fused_novograd_cuda(
     bool reg_inside_moment,
     int64_t norm_type,
     const std::optional<at::Tensor>& inv_scale,
-    const std::optional<at::Tensor>& found_inf) {
+    const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding) {
   const at::Device device = step.device();
   validate_fused_novograd(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      lr, beta1, beta2, eps, weight_decay, norm_type, inv_scale, found_inf, device);
+      lr, beta1, beta2, eps, weight_decay, norm_type, inv_scale, found_inf, state_rounding, device);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const FusedStepArgs args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf)};
+  const FusedStepArgs args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf),
+                           rounding_data(state_rounding)};
   const bool take_max = norm_type == 0;
   const auto float_options = at::TensorOptions().dtype(at::kFloat).device(device);
   const int64_t num_tensors = static_cast<int64_t>(params.size());

@@ -29,12 +29,19 @@
 namespace apex_amp {
 
 // The device scalars of one fused step; a null pointer means: no step count
-// (prepare_step gets 0), no unscaling, never skip.
+// (prepare_step gets 0), no unscaling, never skip, bf16 states rounded to
+// nearest even (state_rounding: the op's (params, 2) int64 rows, read by
+// formatted_rule.cuh only).
 struct FusedStepArgs {
   const float* step;       // the step count before this op
   const float* inv_scale;
   const float* found_inf;
+  const int64_t* state_rounding = nullptr;
 };
+
+inline const int64_t* rounding_data(const std::optional<at::Tensor>& state_rounding) {
+  return state_rounding.has_value() ? state_rounding->data_ptr<int64_t>() : nullptr;
+}
 
 __device__ __forceinline__ bool step_is_skipped(const float* found_inf) {
   return found_inf != nullptr && *found_inf != 0.f;  // NaN counts as set

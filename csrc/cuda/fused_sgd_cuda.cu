@@ -31,17 +31,19 @@ void fused_sgd_cuda(
     bool first_run,
     bool wd_after_momentum,
     const std::optional<at::Tensor>& inv_scale,
-    const std::optional<at::Tensor>& found_inf) {
+    const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& state_rounding) {
   if (params.empty()) {
     return;  // nothing to run, and no tensor to take the device from
   }
   const at::Device device = params[0].device();
   validate_fused_sgd(
       params, grads, momentum_buffers, model_params, master_remainders, state_absmaxes, lr,
-      momentum, dampening, weight_decay, nesterov, inv_scale, found_inf, device);
+      momentum, dampening, weight_decay, nesterov, inv_scale, found_inf, state_rounding, device);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const FusedStepArgs args{nullptr, optional_data(inv_scale), optional_data(found_inf)};
+  const FusedStepArgs args{nullptr, optional_data(inv_scale), optional_data(found_inf),
+                           rounding_data(state_rounding)};
   if (momentum_buffers.empty()) {
     const PlainSgdHyper hyper{static_cast<float>(lr), static_cast<float>(weight_decay)};
     run_rule_with_formats(stream, params, grads, {}, model_params, master_remainders, state_absmaxes, hyper, args);
