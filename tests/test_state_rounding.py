@@ -272,3 +272,23 @@ def test_a_model_trains_with_stochastically_rounded_state_as_with_fp32_state():
     initial, stochastic = losses(state_precision="bf16", state_rounding="stochastic", state_rounding_seed=0)
     assert stochastic < 0.3 * initial
     assert abs(stochastic - fp32) < 0.1 * fp32
+
+
+def test_a_compiled_step_rounds_as_the_eager_one_without_recompiling():
+    from torch._dynamo.testing import CompileCounter
+
+    def run(compile_with):
+        model = _model()
+        optimizer = FusedAdam(model.parameters(), **BF16_STOCHASTIC, state_rounding_seed=3)
+        step = optimizer.step if compile_with is None else torch.compile(optimizer.step, backend=compile_with,
+                                                                          fullgraph=True)
+        for i in range(3):
+            data = torch.Generator().manual_seed(i)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=data)
+            step()
+        return _state_bits(optimizer)
+
+    counter = CompileCounter()
+    assert all(torch.equal(a, b) for a, b in zip(run(None), run(counter)))
+    assert counter.frame_count <= 2  # the first step creates the state and the counter: one retrace

@@ -226,8 +226,9 @@ void fused_lamb_cuda(
     float* trust_steps = norms[2].data_ptr<float>();
     std::vector<FormattedLambGroup> formatted_groups;
     if (any_formatted) {
+      // The moments pass writes no state: no rounding rows.
       formatted_groups = group_formatted<LambHyper>(formatted, params, grads, {exp_avgs, exp_avg_sqs}, model_params,
-                                                    master_remainders, state_absmaxes, trust_steps);
+                                                    master_remainders, state_absmaxes, trust_steps, nullptr);
     }
     std::vector<DtypeGroup<4>> slot_groups = groups;
     for (const auto& group : formatted_groups) {  // only their sizes and positions count here
