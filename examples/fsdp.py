@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--optimizer", default="FusedAdam", choices=["FusedAdam", "AdamW", "SGD"])
     parser.add_argument("--state-precision", default="fp32", choices=["fp32", "bf16", "fp8", "int8"],
                         help="FusedAdam's moments, decided from each parameter's global shape (same on any mesh)")
+    parser.add_argument("--state-rounding", default="nearest", choices=["nearest", "stochastic"],
+                        help="how FusedAdam rounds bf16 moments (stochastic: seeded by --seed, the same bits on any mesh)")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=32, help="global, per micro-batch")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (K-1 without gradient sync)")
@@ -122,7 +124,8 @@ def shard(model: nn.Module, args: argparse.Namespace) -> None:
 
 def make_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
     if args.optimizer == "FusedAdam":
-        return FusedAdam(model.parameters(), lr=args.lr, state_precision=args.state_precision)
+        return FusedAdam(model.parameters(), lr=args.lr, state_precision=args.state_precision,
+                         state_rounding=args.state_rounding, state_rounding_seed=args.seed)
     if args.optimizer == "AdamW":
         return torch.optim.AdamW(model.parameters(), lr=args.lr)
     return torch.optim.SGD(model.parameters(), lr=args.lr * 10, momentum=0.9)

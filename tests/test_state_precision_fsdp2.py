@@ -26,9 +26,9 @@ RANKS = Path(__file__).resolve().parent / "_remainder_fsdp2_ranks.py"
 INT8 = ("--state-precision", "int8", "--hidden", "64", "--blocks", "2", "--half-dtype", "bfloat16")
 
 
-def run(tmp_path: Path, name: str, *args: str, nproc: int) -> dict:
+def run(tmp_path: Path, name: str, *args: str, nproc: int, options=INT8) -> dict:
     out = tmp_path / f"{name}.pt"
-    result = launch([str(EXAMPLE), *INT8, *args, "--state-out", str(out)], nproc=nproc)
+    result = launch([str(EXAMPLE), *options, *args, "--state-out", str(out)], nproc=nproc)
     assert result.returncode == 0 and f"RESULT: all {nproc} ranks agree" in result.stdout, \
         (result.stdout + result.stderr)[-4000:]
     return torch.load(out, weights_only=False)["state"]
@@ -99,3 +99,21 @@ def test_a_checkpoint_resharded_two_one_two_is_the_two_rank_state_bitwise_and_st
     stepped, stepped_again = saved(out["two_next"]), saved(out["two_again_next"])
     assert differing(stepped, stepped_again) == [] and stepped["amp"] == stepped_again["amp"]
     assert len(differing(original, stepped)) > len(original["state"]) // 2  # the step changed the state
+
+
+# bf16 moments rounded stochastically: the seed and the step counter are param-group entries that DCP
+# saves and restores, so a resumed run rounds (and so steps) bitwise as the run that saved went on.
+BF16_STOCHASTIC = ("--state-precision", "bf16", "--state-rounding", "stochastic", "--hidden", "64", "--blocks", "2",
+                   "--half-dtype", "bfloat16")
+
+
+def test_a_stochastically_rounded_run_resumes_bitwise_from_its_checkpoint(tmp_path):
+    through = run(tmp_path, "through", "--steps", "5", "--save-at", "3", "--checkpoint", str(tmp_path / "ckpt"),
+                  nproc=2, options=BF16_STOCHASTIC)
+    resumed = run(tmp_path, "resumed", "--steps", "5", "--resume", str(tmp_path / "ckpt"), nproc=2,
+                  options=BF16_STOCHASTIC)
+    assert any(value.dtype == torch.bfloat16 and "exp_avg" in name for name, value in through.items())
+    assert through.keys() == resumed.keys()
+    differ = [name for name, value in through.items() if not torch.equal(value.view(torch.uint8),
+                                                                         resumed[name].view(torch.uint8))]
+    assert differ == []
