@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--state-precision", default="fp32", choices=["fp32", "bf16", "fp8", "int8"],
                         help="FusedAdam's moments, decided from each parameter's global shape (same on any mesh)")
     parser.add_argument("--state-rounding", default="nearest", choices=["nearest", "stochastic"],
-                        help="how FusedAdam rounds bf16 moments (stochastic: seeded by --seed, the same bits on any mesh)")
+                        help="how FusedAdam rounds bf16 moments (stochastic: seeded by --seed, same bits on any mesh)")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=32, help="global, per micro-batch")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (K-1 without gradient sync)")
