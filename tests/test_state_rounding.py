@@ -292,3 +292,12 @@ def test_a_compiled_step_rounds_as_the_eager_one_without_recompiling():
     counter = CompileCounter()
     assert all(torch.equal(a, b) for a, b in zip(run(None), run(counter)))
     assert counter.frame_count <= 2  # the first step creates the state and the counter: one retrace
+
+
+def test_init_state_makes_the_counter_that_a_distributed_checkpoint_loads_into():
+    # amp.checkpoint_state calls init_state before DCP loads in place: without the counter there, a
+    # resumed run would start counting again from 0 and draw the first steps' bits once more.
+    optimizer = FusedAdam(_model().parameters(), **BF16_STOCHASTIC)
+    optimizer.init_state()
+    counter = optimizer.param_groups[0]["state_rounding_step"]
+    assert counter.dtype == torch.int64 and counter.dim() == 0 and int(counter) == 0

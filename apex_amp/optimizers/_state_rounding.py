@@ -29,7 +29,7 @@ from .._dtensor import is_dtensor
 from .state_formats import StatePrecision, StateRounding, rounding_key
 
 __all__ = ["ROUNDING_KEYS", "COUNTER_KEY", "resolve_seed", "check_group", "stochastic", "rounding_table",
-           "advance_counter", "rounding_rows", "adopt_loaded"]
+           "counter_of", "advance_counter", "rounding_rows", "adopt_loaded"]
 
 # The param-group keys of the rounding (saved in state_dict()'s param_groups), and its step counter.
 ROUNDING_KEYS = ("state_rounding", "state_rounding_seed")
@@ -94,17 +94,22 @@ def rounding_table(group_seed: int, owners: Sequence[Tensor], param_index: Mappi
     return torch.tensor(rows, dtype=torch.int64).reshape(len(owners), 2).to(device)
 
 
-def advance_counter(group: dict[str, Any]) -> Tensor:
-    """The group's step counter (an int64 scalar on its params' device), advanced by one: a new
-    tensor, so that a ``state_dict()`` taken earlier keeps the count it was taken at."""
+def counter_of(group: dict[str, Any]) -> Tensor:
+    """The group's step counter: an int64 scalar on its params' device (0 when new; a count loaded
+    from a checkpoint, on another device or as a number, becomes such a tensor here, once)."""
     device = group["params"][0].device if group["params"] else torch.device("cpu")
     counter = group.get(COUNTER_KEY)
     if not (isinstance(counter, Tensor) and counter.dtype == torch.int64 and counter.dim() == 0
             and counter.device == device):
-        # New, or loaded from a checkpoint (another device, or a number): ours from now on.
         counter = torch.as_tensor(0 if counter is None else counter).to(device=device, dtype=torch.int64)
-        counter = counter.reshape(())
-    group[COUNTER_KEY] = counter = counter + 1
+        group[COUNTER_KEY] = counter = counter.reshape(()).clone()
+    return counter
+
+
+def advance_counter(group: dict[str, Any]) -> Tensor:
+    """The group's step counter, advanced by one: a new tensor, so that a ``state_dict()`` taken
+    earlier keeps the count it was taken at."""
+    group[COUNTER_KEY] = counter = counter_of(group) + 1
     return counter
 
 

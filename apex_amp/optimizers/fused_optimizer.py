@@ -424,12 +424,13 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def init_state(self) -> None:
-        """Make the state a first step would (zeros), where a trainable param has none, and each group's step count.
+        """Make the state a first step would (zeros), where a trainable param has none, and each group's step counts.
 
         ``torch.distributed.checkpoint`` loads into the tensors ``state_dict()`` holds, so a
         fresh optimizer must have its state first (``amp.checkpoint_state`` calls this). torch's
         ``get_state_dict`` makes it by a step of zero gradients for an optimizer with no state at
-        all, but a remainder master's state exists from ``amp.initialize`` on. State made here is
+        all, but a remainder master's state exists from ``amp.initialize`` on. The counts are the
+        group's ``step`` and, under stochastic rounding, its ``state_rounding_step``. State made here is
         not new to the first step (FusedSGD then damps its first momentum, as after torch's step).
 
         Example::
@@ -444,6 +445,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._param_state(p, group, model_param=None)
             if self.COUNTS_STEPS and trainable:
                 self._group_step(group, trainable[0].device)
+            if rounding.stochastic(group) and trainable:
+                rounding.counter_of(group)  # stochastic rounding's counter, which DCP loads into too
         self._batch_plans = {}
 
     def _group_step(self, group: dict[str, Any], device: torch.device) -> Tensor:
