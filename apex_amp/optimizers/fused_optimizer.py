@@ -257,15 +257,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _prepare_rounding(self, batches: list[tuple[dict[str, Any], FusedBatch]]) -> None:
-        # Each stochastic group's counter advances once per step; each batch gets its rows.
-        counters: dict[int, Tensor] = {}
+        # Each stochastic group's counter advances once per step; each batch gets its rows. The
+        # groups are found by identity in a list, not by id() in a dict: torch 2.11's dynamo cannot
+        # trace id() of a dict (a compiled step would break its graph there).
+        counters: list[tuple[dict[str, Any], Tensor]] = []
         index_of: Optional[dict[int, int]] = None
         for group, batch in batches:
             if not rounding.stochastic(group):
                 batch.rounding_rows = None
                 continue
-            if id(group) not in counters:
-                counters[id(group)] = rounding.advance_counter(group)
+            counter = next((advanced for owner, advanced in counters if owner is group), None)
+            if counter is None:
+                counter = rounding.advance_counter(group)
+                counters.append((group, counter))
             seed = group["state_rounding_seed"]
             if batch.rounding_table is None or batch.rounding_seed != seed:
                 if index_of is None:  # the params' indices as state_dict() numbers them
@@ -273,7 +277,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     index_of = {id(p): index for index, p in enumerate(params)}
                 batch.rounding_table = rounding.rounding_table(seed, batch.owners, index_of, batch.device)
                 batch.rounding_seed = seed
-            batch.rounding_rows = rounding.rounding_rows(batch.rounding_table, counters[id(group)])
+            batch.rounding_rows = rounding.rounding_rows(batch.rounding_table, counter)
 
     def _resolve_scaling(self, amp: Optional[AmpStepArgs], apex_arguments: dict[str, Any]) -> AmpStepArgs:
         legacy = [name for name in _APEX_LEGACY_ARGUMENTS if apex_arguments.get(name) is not None]
