@@ -30,3 +30,13 @@ def wide_linears() -> nn.Module:
 def frozen() -> nn.Module:
     """A Linear without trainable parameters."""
     return nn.Linear(64, 64).requires_grad_(False)
+
+
+# Specs that name no model, and what the CLI's error says for each (inspect and memory alike).
+BAD_SPECS = [
+    ("_diag_models", "expected MODULE:FACTORY"),
+    ("no_such_module_xyz:build", "module 'no_such_module_xyz' not found"),
+    ("_diag_models:missing", "has no attribute 'missing'"),
+    ("_diag_models:NOT_A_MODEL", "neither an nn.Module nor a callable"),
+    ("_diag_models:returns_a_number", "not a torch.nn.Module"),
+]

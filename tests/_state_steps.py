@@ -203,3 +203,14 @@ def assert_bitwise_equal(got: Step, want: Step) -> None:
             differs = differ.nonzero()
             raise AssertionError(f"{a.dtype} {tuple(a.shape)}: {differs.shape[0]} elements differ, first at "
                                  f"{differs[0].tolist()}: {a[tuple(differs[0])]} vs {b[tuple(differs[0])]}")
+
+
+class WithRounding:
+    """An ops namespace whose fused ops receive ``state_rounding=rows`` (stochastic rounding's op argument)."""
+
+    def __init__(self, namespace, rows):
+        self.namespace, self.rows = namespace, rows
+
+    def __getattr__(self, name):
+        op = getattr(self.namespace, name)
+        return lambda *args: op(*args, state_rounding=self.rows)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from apex_amp import amp
+from _diag_models import BAD_SPECS
 from apex_amp.__main__ import main
 from apex_amp.amp import casting
 from apex_amp.amp.diagnostics import FindingKind
@@ -462,13 +463,7 @@ def test_cli_inspect_prints_the_report_in_a_subprocess():
     assert {("0", "alignment"), ("3", "alignment"), ("1", "batchnorm")} <= kinds
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("_diag_models", "expected MODULE:FACTORY"),
-    ("no_such_module_xyz:build", "module 'no_such_module_xyz' not found"),
-    ("_diag_models:missing", "has no attribute 'missing'"),
-    ("_diag_models:NOT_A_MODEL", "neither an nn.Module nor a callable"),
-    ("_diag_models:returns_a_number", "not a torch.nn.Module"),
-])
+@pytest.mark.parametrize("spec, message", BAD_SPECS)
 def test_cli_inspect_bad_specs_exit_2_with_a_clear_error(spec, message, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     assert main(["inspect", spec]) == 2

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from _diag_models import BAD_SPECS
 from apex_amp import amp, memory_report
 from apex_amp.__main__ import main
 from apex_amp.optimizers import FusedAdam
@@ -149,14 +150,7 @@ def test_cli_memory_prints_a_table_by_default(capsys, monkeypatch):
     assert "optimizer state" in out and "masters" in out and "(524,288 parameters)" in out
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("_diag_models", "expected MODULE:FACTORY"),
-    ("no_such_module_xyz:build", "module 'no_such_module_xyz' not found"),
-    ("_diag_models:missing", "has no attribute 'missing'"),
-    ("_diag_models:NOT_A_MODEL", "neither an nn.Module nor a callable"),
-    ("_diag_models:returns_a_number", "not a torch.nn.Module"),
-    ("_diag_models:frozen", "no trainable parameters"),
-])
+@pytest.mark.parametrize("spec, message", [*BAD_SPECS, ("_diag_models:frozen", "no trainable parameters")])
 def test_cli_memory_bad_specs_exit_2_with_a_clear_error(spec, message, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     assert main(["memory", spec]) == 2

@@ -23,17 +23,6 @@ SHAPES = [(33, BLOCK), (7, 2 * BLOCK), (0, BLOCK)]
 BIG = [(1100, BLOCK)]  # 70400 elements: five work units, shared among the threads
 
 
-class _WithRounding:
-    """A torch.ops namespace whose fused ops receive ``state_rounding=rows``."""
-
-    def __init__(self, namespace, rows):
-        self.namespace, self.rows = namespace, rows
-
-    def __getattr__(self, name):
-        op = getattr(self.namespace, name)
-        return lambda *args: op(*args, state_rounding=self.rows)
-
-
 def rounding_rows(count: int, seed: int = 3, counter: int = 7, offsets=None) -> torch.Tensor:
     offsets = offsets or [1000 * i for i in range(count)]  # as if each tensor were a shard
     return torch.tensor([[rounding_key(seed, counter, i), offsets[i]] for i in range(count)], dtype=torch.int64)
@@ -43,7 +32,7 @@ def stochastic_step(ns, rule, shapes, rows, **kwargs):
     """The recipe: (the step run with rounding rows, what it must hold)."""
     formatted = steps.make_step(rule, shapes, "bf16", BLOCK, **kwargs)
     twin = steps.fp32_twin(formatted)
-    rule.call(_WithRounding(ns, rows), formatted)
+    rule.call(steps.WithRounding(ns, rows), formatted)
     rule.call(ns, twin)
     want = steps.expected_from_twin(steps.make_step(rule, shapes, "bf16", BLOCK, **kwargs), twin)
     for k, state in enumerate(want.states):
@@ -88,7 +77,7 @@ def test_the_bits_follow_the_global_element_index_so_a_shard_rounds_as_the_whole
                            [[s[first:first + 4].clone() for s in state] for state in full.states],
                            [], [], [], full.step.clone(), [m.clone() for m in full.moments], full.inv_scale,
                            full.found_inf)
-        rule.call(_WithRounding(ns, rounding_rows(1, offsets=[first * BLOCK])), shard)
+        rule.call(steps.WithRounding(ns, rounding_rows(1, offsets=[first * BLOCK])), shard)
         for k in range(2):
             assert torch.equal(shard.states[k][0].view(torch.int16),
                                whole.states[k][0][first:first + 4].view(torch.int16))
@@ -99,7 +88,7 @@ def test_a_skipped_step_writes_no_stochastically_rounded_state(backend):
     ns = namespace_of(backend)
     formatted = steps.make_step(steps.RULES["adam"], SHAPES, "bf16", BLOCK, found_inf=1.0, seed=24)
     before = formatted.clone()
-    steps.RULES["adam"].call(_WithRounding(ns, rounding_rows(len(SHAPES))), formatted)
+    steps.RULES["adam"].call(steps.WithRounding(ns, rounding_rows(len(SHAPES))), formatted)
     steps.assert_bitwise_equal(formatted, before)
 
 

@@ -22,17 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the cont
 import _state_steps as recipe  # noqa: E402
 
 
-class _WithRounding:
-    """An ops namespace whose fused ops receive ``state_rounding=rows``."""
-
-    def __init__(self, namespace, rows):
-        self.namespace, self.rows = namespace, rows
-
-    def __getattr__(self, name):
-        op = getattr(self.namespace, name)
-        return lambda *args: op(*args, state_rounding=self.rows)
-
-
 def _rows(count: int, counter: int = 3) -> torch.Tensor:
     # Offsets far beyond 2**32: the index's high half takes part in the bits.
     return torch.tensor([[rounding_key(17, counter, i), (5 << 32) + 999 * i] for i in range(count)],
@@ -47,8 +36,8 @@ def test_stochastically_rounded_bf16_states_match_bit_for_bit(rule, remainder):
     emulated, cpu, nearest = (make_step(RULES[rule], **kwargs) for _ in range(3))
     for counter in (3, 4):  # two steps, each with its own bits
         rows = _rows(len(SHAPES), counter)
-        RULES[rule].call(_WithRounding(EMULATED, rows), emulated)
-        RULES[rule].call(_WithRounding(CPU, rows), cpu)
+        RULES[rule].call(recipe.WithRounding(EMULATED, rows), emulated)
+        RULES[rule].call(recipe.WithRounding(CPU, rows), cpu)
         RULES[rule].call(EMULATED, nearest)
     assert_steps_equal(emulated, cpu)
     differing = sum(int((a.view(torch.int16) != b.view(torch.int16)).sum())
@@ -63,7 +52,7 @@ def test_the_emulated_bits_are_the_reference_bits(rule):
     rows = _rows(len(shapes))
     formatted = recipe.make_step(op, shapes, "bf16", BLOCK, seed=32)
     twin = recipe.fp32_twin(formatted)
-    op.call(_WithRounding(EMULATED, rows), formatted)
+    op.call(recipe.WithRounding(EMULATED, rows), formatted)
     op.call(EMULATED, twin)
     want = recipe.expected_from_twin(recipe.make_step(op, shapes, "bf16", BLOCK, seed=32), twin)
     for k, state in enumerate(want.states):
