@@ -1,11 +1,13 @@
 """The CPU kernels' vector conversions of the state formats (csrc/cpu/state_formats_vec.h), bit for bit.
 
-The formatted path converts whole blocks in vector registers (a table lookup to dequantize, a
-branch-free search over the midpoints to quantize int8/uint8, c10's fp8 rounding restated in 32-bit
-lanes, the remainder masters' bit arithmetic). These tests drive fused_adam_ with blocks built to hit
-every class of fp32 bit pattern the conversions meet -- random bit patterns, the maps' entries and
-their midpoints exactly and one ulp either side, fp8's rounding ties, +-0, denormals, +-1, +-inf and
-NaN -- and every code of every format, and check the contract's recipe (tests/_state_steps.py): the
+The formatted path converts whole blocks in vector registers (a table lookup to dequantize int8/uint8
+and fp8 codes decoded from their bits; int8/uint8 quantized by an estimate from the maps' decades with
+a branch-free search over the midpoints where the estimate is in doubt; c10's fp8 rounding restated in
+32-bit lanes; the remainder masters' bit arithmetic). These tests drive fused_adam_ with blocks built
+to hit every class of fp32 bit pattern the conversions meet -- random bit patterns, the maps' entries
+and their midpoints exactly and one ulp either side, every midpoint's neighbourhood out to thousands
+of ulps, fp8's rounding ties, +-0, denormals, +-1, +-inf and NaN -- and every code of every format,
+and check the contract's recipe (tests/_state_steps.py): the
 step equals the fp32-state step on the dequantized values, quantized again by the reference
 (apex_amp.optimizers.state_formats, which the scalar C++ functions restate). Each instruction set's
 variant runs in a process of its own.
@@ -127,6 +129,51 @@ def test_every_code_dequantizes_as_the_reference(fmt):
         state[0].view(torch.uint8).copy_(codes.reshape(BLOCKS, BLOCK))
         formatted.absmaxes[k].copy_(torch.tensor([1.0, 0.0, 3.5e-3, 2.0e30]))
     _check(formatted, 0.5, 0.5)
+
+
+def _ulp_steps(values: torch.Tensor, offsets) -> torch.Tensor:
+    """values moved by each of ``offsets`` fp32 ulps (values > 0)."""
+    bits = values.view(torch.int32).to(torch.int64)
+    moved = torch.cat([bits + k for k in offsets]).to(torch.int32).view(torch.float32)
+    return moved[moved.isfinite()]
+
+
+# Around every midpoint: one ulp (the rounding itself), then out to where the zone estimate stops
+# doubting its own t (kZoneDoubt of a step, tens to thousands of ulps), and past it.
+_MIDPOINT_OFFSETS = sorted({s * k for s in (1, -1) for k in (0, 1, 2, 3, 5, 8, 16, 40, 100, 250, 600, 1500, 4000,
+                                                            10000, 30000)})
+
+
+def _positive_midpoints(signed: bool) -> torch.Tensor:
+    m = state_formats.dynamic_map(signed, torch.device("cpu"))
+    midpoints = (m[:-1] + m[1:]) * 0.5
+    return midpoints[midpoints > 0]
+
+
+def _binade_edges() -> torch.Tensor:
+    """2^-30 .. 2^0 and their neighbours: where the zone lookup changes binade."""
+    return _ulp_steps(torch.tensor([2.0 ** -e for e in range(31)]), (-2, -1, 0, 1, 2))
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["int8", "uint8"])
+def test_int8_codes_near_every_midpoint_and_binade_edge_match_the_reference(signed):
+    # The vector quantizer estimates a value's code from its map's decade structure and falls back to
+    # the exact search only where the estimate is in doubt: sweep both sides of that line at every
+    # midpoint of the map (and the binade edges its zone lookup uses), both signs. beta1 = beta2 = 0:
+    # exp_avg (int8, signed map) becomes the gradient and exp_avg_sq (uint8, unsigned map) its
+    # square, so the unsigned map's points are fed as square roots. Each block holds a 1 (scale 1).
+    points = torch.cat([_ulp_steps(_positive_midpoints(signed), _MIDPOINT_OFFSETS), _binade_edges()])
+    points = points[points < 1.0]
+    if not signed:
+        points = points.sqrt()
+    values = torch.cat([points, -points]) if signed else points
+    per_block = BLOCK - 1
+    blocks = -(-values.numel() // per_block)
+    padded = torch.cat([values, torch.full((blocks * per_block - values.numel(),), 0.25)]).reshape(blocks, per_block)
+    grads = torch.cat([padded, torch.ones(blocks, 1)], dim=1)
+    formatted = steps.make_step(steps.RULES["adam"], [(blocks, BLOCK)], "int8", BLOCK, seed=7, inv_scale=None)
+    formatted.grads[0].copy_(grads)
+    _check(formatted, 0.0, 0.0)
 
 
 @settings(max_examples=30, deadline=None)
