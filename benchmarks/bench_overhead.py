@@ -20,6 +20,7 @@ Run (from the repository root, in the venv where apex_amp is installed):
     python benchmarks/bench_overhead.py                          # bf16, both models, ~5 min idle
     python benchmarks/bench_overhead.py --models tiny --phases   # and where each step's time goes
     python benchmarks/bench_overhead.py --half-dtype float16 --models tiny
+    python benchmarks/bench_overhead.py --models tiny --configs "apex O0 / Adam,apex O0 / FusedAdam" --replicas 8
 """
 
 from __future__ import annotations
@@ -47,6 +48,24 @@ LEVELS = ("O0", "O1", "O2", "O3")
 CONFIGS = ("fp32 / Adam", "fp32 / FusedAdam", "torch.amp / Adam",
            *(f"apex {level} / {opt}" for level in LEVELS for opt in ("Adam", "FusedAdam")))
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def with_baselines(names: list[str]) -> tuple[str, ...]:
+    """The chosen configurations and the baselines their ratios need, in CONFIGS's order.
+
+    Every configuration brings the plain fp32 loop with its optimizer; O1-O3 bring torch.amp, which
+    their targets compare against (O0's compares against fp32 only).
+    """
+    unknown = [name for name in names if name not in CONFIGS]
+    if unknown or not names:
+        raise ValueError(f"--configs takes a comma-separated subset of: {', '.join(CONFIGS)}; got {names}")
+    chosen = set(names)
+    for name in names:
+        kind, opt = name.split(" / ")
+        chosen.add(f"fp32 / {opt}")
+        if kind == "torch.amp" or kind.startswith("apex") and kind != "apex O0":
+            chosen.update(("torch.amp / Adam", "fp32 / Adam"))
+    return tuple(config for config in CONFIGS if config in chosen)
 
 
 def build_model(model_name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -157,10 +176,11 @@ def measure(step: Callable[..., None], objects: list, steps: int = 2000) -> dict
 def render(model_name: str, results: dict[str, dict[str, Any]]) -> list[str]:
     cpu = {config: r["cpu_timing"].median for config, r in results.items()}
     rows = []
-    for config in CONFIGS:
+    for config in results:
         opt = config.split(" / ")[1]
         versus_fp32 = cpu[config] / cpu[f"fp32 / {opt}"]
-        versus_amp = "" if config.startswith("fp32") else f"{cpu[config] / cpu['torch.amp / Adam']:.2f}"
+        versus_amp = ("" if config.startswith("fp32") or "torch.amp / Adam" not in cpu
+                      else f"{cpu[config] / cpu['torch.amp / Adam']:.2f}")
         r = results[config]
         per_process = " ".join(f"{median * 1e3:.3f}" for median in r["replica_cpu_medians"])
         rows.append(f"| {model_name} | {config} | {cpu[config] * 1e3:.3f} | {r['cpu_timing'].iqr * 1e3:.3f} "
@@ -170,7 +190,7 @@ def render(model_name: str, results: dict[str, dict[str, Any]]) -> list[str]:
 
 def render_phases(model_name: str, results: dict[str, dict[str, Any]]) -> list[str]:
     rows = []
-    for config in CONFIGS:
+    for config in results:
         phases = results[config]["phases"]
         cells = [f"{phases[p] * 1e6:.1f}" if p in phases else "" for p in PHASES]
         rows.append(f"| {model_name} | {config} | " + " | ".join(cells) + f" | {sum(phases.values()) * 1e6:.1f} |")
@@ -181,9 +201,13 @@ def targets(model_name: str, results: dict[str, dict[str, Any]]) -> list[tuple[s
     cpu = {config: r["cpu_timing"].median for config, r in results.items()}
     verdicts = []
     for opt in ("Adam", "FusedAdam"):
+        if f"apex O0 / {opt}" not in cpu:
+            continue
         ratio = cpu[f"apex O0 / {opt}"] / cpu[f"fp32 / {opt}"]
         verdicts.append((f"{model_name}: O0 / {opt} <= 1.05x fp32 / {opt}", f"{ratio:.2f}x", ratio <= 1.05))
     for config, bound in (("apex O1 / Adam", 0.9), ("apex O1 / FusedAdam", 0.9), ("apex O2 / FusedAdam", 0.75)):
+        if config not in cpu:
+            continue
         ratio = cpu[config] / cpu["torch.amp / Adam"]
         verdicts.append((f"{model_name}: {config} <= {bound}x torch.amp", f"{ratio:.2f}x", ratio <= bound))
     return verdicts
@@ -193,6 +217,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,small", help="any of tiny,small (default: %(default)s)")
     parser.add_argument("--half-dtype", default="bfloat16", choices=sorted(HALF_DTYPES), help="default: %(default)s")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help="comma-separated configurations to run, each with the baselines its ratios need "
+                             "(default: all; e.g. 'apex O0 / Adam' with --replicas 8 narrows O0's ratio)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=10, help="interleaving rounds (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=400,
@@ -208,6 +235,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not args.models or set(args.models) - {"tiny", "small"}:
         parser.error(f"--models takes tiny and/or small, got {args.models}")
+    try:
+        args.configs = with_baselines([c.strip() for c in args.configs.split(",") if c.strip()])
+    except ValueError as error:
+        parser.error(str(error))
     if min(args.threads, args.rounds, args.reps, args.replicas, args.warmup + 1) < 1:
         parser.error("--threads, --rounds, --reps and --replicas must be at least 1")
     return args
@@ -231,7 +262,7 @@ def main(argv=None) -> int:
                   "| --- | --- | " + " | ".join("---" for _ in PHASES) + " | --- |"]
     verdicts, all_results = [], {}
     for model_name in args.models:
-        results = run_configurations("bench_overhead", CONFIGS, model_name, settings, reps=args.reps,
+        results = run_configurations("bench_overhead", args.configs, model_name, settings, reps=args.reps,
                                      rounds=args.rounds, measure=args.phases, replicas=args.replicas)
         all_results[model_name] = results
         rows += render(model_name, results)

@@ -24,6 +24,7 @@ Run (from the repository root, idle machine, ~5-10 min):
     python benchmarks/bench_state_precision.py --section step --sizes 1M,16M
     python benchmarks/bench_state_precision.py --section accuracy --quick
     python benchmarks/bench_state_precision.py --section accuracy --threads 1 --seeds 5 --no-torchao
+    python benchmarks/bench_state_precision.py --section accuracy --threads 1 --seeds 40 --examples digits
 """
 
 from __future__ import annotations
@@ -273,6 +274,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="accuracy: train each configuration with seeds 0..N-1 (default: 5, 2 with --quick)")
     parser.add_argument("--no-torchao", default="", metavar="REASON", nargs="?", const="skipped (--no-torchao)",
                         help="accuracy: leave torchao's AdamW8bit out, with REASON in its row")
+    parser.add_argument("--examples", default="digits,lm",
+                        help="accuracy: which examples to train, digits and/or lm (default: %(default)s; the "
+                             "transformer takes most of the time, so many seeds of digits alone are cheap)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     return parser.parse_args(argv)
@@ -304,9 +308,13 @@ def main(argv=None) -> int:
         seeds = args.seeds or (2 if args.quick else 5)
         if seeds < 1:
             raise SystemExit(f"--seeds must be at least 1, got {seeds}")
-        print(f"\naccuracy (O2 bf16, digits MLP and character transformer), seeds 0..{seeds - 1}:")
+        examples = tuple(e.strip() for e in args.examples.split(",") if e.strip())
+        if not examples or set(examples) - set(_state_accuracy.EXAMPLES):
+            raise SystemExit(f"--examples takes digits and/or lm, comma-separated; got {args.examples!r}")
+        names = {"digits": "digits MLP", "lm": "character transformer"}
+        print(f"\naccuracy (O2 bf16, {' and '.join(names[e] for e in examples)}), seeds 0..{seeds - 1}:")
         configs = _state_accuracy.configurations(bnb, ao_adamw8bit, has_state_precision(), args.no_torchao)
-        rows = _state_accuracy.run(configs, args.quick, seeds)
+        rows = _state_accuracy.run(configs, args.quick, seeds, examples)
         print("\n" + _state_accuracy.render(rows))
         print(f"the targets below compare the means over the {seeds} seeds")
         print_targets("issue 27, accuracy", _state_accuracy.targets(rows))
