@@ -21,6 +21,7 @@ Run (from the repository root, in the venv where apex_amp is installed):
     python benchmarks/bench_overhead.py --models tiny --phases   # and where each step's time goes
     python benchmarks/bench_overhead.py --half-dtype float16 --models tiny
     python benchmarks/bench_overhead.py --models tiny --configs "apex O0 / Adam,apex O0 / FusedAdam" --replicas 8
+    python benchmarks/bench_overhead.py --models tiny --configs "apex O0 / Adam" --paired-o0 3
 """
 
 from __future__ import annotations
@@ -173,6 +174,55 @@ def measure(step: Callable[..., None], objects: list, steps: int = 2000) -> dict
     return {"phases": {phase: statistics.median(values) for phase, values in durations.items() if values}}
 
 
+def paired_o0(opt_name: str, model_name: str, args: dict, blocks: int = 40, block_steps: int = 50) -> float:
+    """Run in a fresh process (``--paired-o0``): O0's step CPU time over the plain fp32 loop's, both built here.
+
+    The two loops alternate in blocks of ``block_steps`` steps (the order flips each block), so both
+    share one process's imports and allocator history: the layout noise between processes that the
+    rounds above pool over is not in this ratio. Valid for O0 only, which changes no process-wide
+    state (no casts, no patched functions): the plain loop runs as it would alone.
+    """
+    sys.path[:0] = [str(HERE), str(HERE.parent / "examples"), str(HERE.parent)]
+    torch.set_num_threads(args["threads"])
+    steps = {config: build_step(config, model_name, args)[0] for config in (f"fp32 / {opt_name}", f"apex O0 / {opt_name}")}
+    samples: dict[str, list[float]] = {config: [] for config in steps}
+    for step in steps.values():
+        for _ in range(args["warmup"]):
+            step()
+    order = list(steps)
+    for block in range(blocks):
+        for config in order if block % 2 == 0 else order[::-1]:
+            step = steps[config]
+            for _ in range(block_steps):
+                start = time.thread_time()
+                step()
+                samples[config].append(time.thread_time() - start)
+    plain, o0 = (statistics.median(samples[config]) for config in order)
+    return o0 / plain
+
+
+def run_paired_o0(model_name: str, args: dict, processes: int) -> tuple[list[str], list[tuple[str, str, bool]]]:
+    """``--paired-o0``: ``processes`` fresh processes per optimizer, one after the other.
+
+    Returns a table row per optimizer and O0's target judged on the median over the processes.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    rows, verdicts = [], []
+    for opt_name in ("Adam", "FusedAdam"):
+        ratios = []
+        for _ in range(processes):
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                ratios.append(pool.submit(paired_o0, opt_name, model_name, args).result())
+        rows.append(f"| {model_name} | apex O0 / {opt_name} | {statistics.median(ratios):.3f} | "
+                    + " ".join(f"{r:.3f}" for r in ratios) + " |")
+        ratio = statistics.median(ratios)
+        verdicts.append((f"{model_name}: O0 / {opt_name} <= 1.05x fp32 / {opt_name}, in one process",
+                         f"{ratio:.3f}x", ratio <= 1.05))
+    return rows, verdicts
+
+
 def render(model_name: str, results: dict[str, dict[str, Any]]) -> list[str]:
     cpu = {config: r["cpu_timing"].median for config, r in results.items()}
     rows = []
@@ -230,6 +280,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--phases", action="store_true",
                         help="then time each phase of a step (zero_grad, forward, scale_loss entry, backward, "
                              "scale_loss exit, step) in every worker: 2000 more steps each")
+    parser.add_argument("--paired-o0", type=int, default=0, metavar="N",
+                        help="then, in N fresh processes per optimizer, O0 and the plain fp32 loop side by side in "
+                             "one process (blocks of 50 steps, alternated): O0's ratio without the layout noise "
+                             "between processes")
     parser.add_argument("--json", default=None, help="also write every median and the machine report here")
     args = parser.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -260,7 +314,7 @@ def main(argv=None) -> int:
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     phase_rows = ["| model | configuration | " + " | ".join(f"{p} us" for p in PHASES) + " | sum us |",
                   "| --- | --- | " + " | ".join("---" for _ in PHASES) + " | --- |"]
-    verdicts, all_results = [], {}
+    verdicts, all_results, paired_rows = [], {}, []
     for model_name in args.models:
         results = run_configurations("bench_overhead", args.configs, model_name, settings, reps=args.reps,
                                      rounds=args.rounds, measure=args.phases, replicas=args.replicas)
@@ -270,6 +324,11 @@ def main(argv=None) -> int:
             phase_rows += render_phases(model_name, results)
         if model_name == "tiny":
             verdicts += targets(model_name, results)
+        if args.paired_o0:
+            rows_of_model, paired_verdicts = run_paired_o0(model_name, settings, args.paired_o0)
+            paired_rows += rows_of_model
+            if model_name == "tiny":
+                verdicts += paired_verdicts
     print()
     print("\n".join(rows))
     print("\nCPU ms: median CPU time of a step's thread, over the steps of every process of the configuration; "
@@ -278,13 +337,18 @@ def main(argv=None) -> int:
     if args.phases:
         print("\nphases (median wall us of each, 2000 steps back to back in each configuration's first process after the rounds):\n")
         print("\n".join(phase_rows))
+    if paired_rows:
+        print(f"\nO0 and the plain fp32 loop in one process ({args.paired_o0} process(es) per optimizer, "
+              "thread CPU time, medians of 2000 steps each):\n")
+        print("\n".join(["| model | configuration | / fp32 (same process): median | per process |",
+                         "| --- | --- | --- | --- |", *paired_rows]))
     print_targets("issue 20, tiny model", verdicts)
     finish_run(started, args.json, {
         "machine": info, "args": vars(args),
         "results": {m: {c: {"cpu": r["cpu_timing"].to_json(), "wall": r["timing"].to_json(),
                             **({"phases": r["phases"]} if "phases" in r else {})}
                         for c, r in res.items()} for m, res in all_results.items()},
-        "targets": [{"target": t, "measured": m, "met": ok} for t, m, ok in verdicts]})
+        "targets": [{"target": t, "measured": m, "met": ok} for t, m, ok in verdicts], "paired_o0": paired_rows})
     return 0
 
 
