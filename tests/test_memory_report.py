@@ -185,3 +185,20 @@ def test_cli_memory_values_outside_the_choices_are_usage_errors(options, message
     with pytest.raises(SystemExit) as exited:
         main(["memory", "_diag_models:wide_linears", *options])
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("options", [
+    ["--state-precision", "int8", "--master-weights", "remainder"],
+    ["--state-precision", "fp8"],
+    ["--optimizer", "torch.optim.AdamW"],
+])
+def test_cli_memory_on_cuda_counts_the_bytes_it_counts_on_the_cpu(options, capsys, monkeypatch):
+    # The same model, optimizer and step on the GPU hold the same tensors: a byte count that differs
+    # would be a tensor left on the host, a state made twice, or an allocation counted by device.
+    monkeypatch.syspath_prepend(str(TESTS))
+    by_device = {}
+    for device in ("cpu", "cuda"):
+        assert main(["memory", "_diag_models:wide_linears", "--json", "--device", device, *options]) == 0
+        by_device[device] = json.loads(capsys.readouterr().out)
+    assert by_device["cuda"]["bytes"] == by_device["cpu"]["bytes"]

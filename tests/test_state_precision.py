@@ -258,3 +258,46 @@ def test_a_column_sharded_dtensor_is_refused_for_blocked_state(process_group):
     optimizer = FusedAdam([weight], state_precision="int8")
     with pytest.raises(ValueError, match="sharded on dim 0 only"):
         optimizer.step()
+
+
+# ---- on a GPU (pytest -m cuda: scripts/gpu_check.sh runs it; skipped without one) ------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(FAMILY))
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "int8"])
+def test_on_cuda_the_state_is_stored_in_its_format_and_follows_the_cpu_run(name, precision):
+    # The same steps on both devices, a skipped one among them: the state keeps its storage dtypes and
+    # absmaxes on the GPU, the skipped step changes nothing there either, and the weights follow the
+    # CPU run's. Not bit for bit: nvcc contracts multiply-adds that the CPU rounds twice (one ulp of a
+    # moment can move a code by one step), so within a tolerance a wrong block scale or code map
+    # (off by a factor, or by many codes) exceeds.
+    factory, _ = FAMILY[name]
+    models = {device: make_model().to(device) for device in ("cpu", "cuda")}
+    optimizers = {device: factory(model.parameters(), state_precision=precision, state_block_size=128)
+                  for device, model in models.items()}
+    generator = torch.Generator().manual_seed(1)
+    for step in range(6):
+        x = torch.randn(16, 128, generator=generator)
+        for device, model in models.items():
+            model.zero_grad()
+            model(x.to(device)).pow(2).mean().backward()
+            if step == 3:
+                before = [p.detach().clone() for p in model.parameters()]
+                optimizers[device].step(amp=AmpStepArgs(found_inf=torch.ones(1, device=device)))
+                assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+            else:
+                optimizers[device].step()
+    state, cpu_state = optimizers["cuda"].state[models["cuda"][0].weight], optimizers["cpu"].state[models["cpu"][0].weight]
+    assert state.keys() == cpu_state.keys()
+    stored = [key for key, value in state.items() if torch.is_tensor(value) and value.dtype in STORAGE[precision]]
+    assert stored  # (NovoGrad's second moment is one norm per tensor: fp32 whatever the precision)
+    for key in stored:
+        assert state[key].device.type == "cuda" and state[key].dtype == cpu_state[key].dtype
+        assert state[key].shape == cpu_state[key].shape
+        if precision in ("fp8", "int8"):
+            absmax = state[key + "_absmax"]
+            assert absmax.device.type == "cuda" and absmax.dtype == torch.float32
+    for cpu_param, cuda_param in zip(models["cpu"].parameters(), models["cuda"].parameters()):
+        assert torch.isfinite(cuda_param).all()
+        torch.testing.assert_close(cuda_param.cpu(), cpu_param, rtol=1e-3, atol=1e-4)

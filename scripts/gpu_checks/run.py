@@ -32,7 +32,8 @@ from typing import Callable, Optional
 ROOT = Path(__file__).resolve().parents[2]
 # The op tests on CUDA for both backends, the O1 table and the misuse checks of the ops.
 CUDA_TEST_FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_ops_*.py")) + [
-    "tests/test_o1_rules.py", "tests/test_o1_behaviour.py", "tests/test_misuse_ops.py"]
+    "tests/test_o1_rules.py", "tests/test_o1_behaviour.py", "tests/test_misuse_ops.py",
+    "tests/test_state_precision.py", "tests/test_memory_report.py"]
 
 
 DRY_RUN_TIME_FACTOR = 4
