@@ -21,6 +21,7 @@ from torch import nn
 from _launch import launch
 from apex_amp import amp, ops
 from apex_amp.optimizers import FusedAdam
+from apex_amp.optimizers.state_formats import split_master
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -392,9 +393,19 @@ def skipped_steps(stdout: str) -> str:
     return summary.rsplit("skipped steps", 1)[1].strip()
 
 
-def memory_rows(stdout: str) -> dict[int, list[int]]:
-    rows = re.findall(r"^\| (\d+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \|", stdout, re.MULTILINE)
-    return {int(rank): [int(cell.replace(",", "")) for cell in cells] for rank, *cells in rows}
+def memory_rows(stdout: str) -> dict[int, dict[str, int]]:
+    """The per-rank memory table: rank -> {column: bytes} (a "-" cell is left out)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| rank |"))
+    columns = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("| "):
+            break
+        cells = dict(zip(columns, (cell.strip() for cell in line.strip("|").split("|"))))
+        rows[int(cells.pop("rank"))] = {name: int(value.replace(",", "")) for name, value in cells.items()
+                                        if value != "-"}
+    return rows
 
 
 def unsharded_bytes(stdout: str) -> int:
@@ -411,10 +422,10 @@ def test_two_ranks_o2_fp16_overflow_in_one_shard_skips_on_both_matches_one_proce
     assert re.search(r"REFERENCE: .*\(within ", stdout), stdout
     rows, total = memory_rows(stdout), unsharded_bytes(stdout)
     assert sorted(rows) == [0, 1]
-    for half_weights, masters, grads, state, _ in rows.values():
-        assert half_weights == 0  # no persistent half copy: FSDP2 all-gathers it for each forward
-        assert masters == grads == total // 2  # fp32 shards and their fp32 gradient shards
-        assert state == total // 2  # SGD's momentum shards
+    for row in rows.values():
+        assert row["half weights"] == row["master remainders"] == 0  # FSDP2 all-gathers a half copy per forward
+        assert row["fp32 weights (masters)"] == row["gradients"] == total // 2  # fp32 shards and fp32 grad shards
+        assert row["optimizer state"] == total // 2  # SGD's momentum shards
 
 
 @pytest.mark.slow
@@ -432,6 +443,31 @@ def test_two_ranks_fused_adam_with_accumulation_matches_an_unsharded_run():
                                            "--reference", *SMALL))
     assert skipped_steps(stdout) == "[2]"
     assert re.search(r"REFERENCE: .*\(within ", stdout), stdout
+
+
+@pytest.mark.slow
+def test_two_ranks_with_remainder_masters_keep_bf16_shards_and_match_an_unsharded_run(tmp_path):
+    out = tmp_path / "state.pt"
+    stdout = assert_agree(run_fsdp_example("--master-weights", "remainder", "--inject-overflow", "1:2",
+                                           "--reference", "--state-out", str(out), *SMALL))
+    assert skipped_steps(stdout) == "[2]"
+    assert re.search(r"REFERENCE: .*\(within ", stdout), stdout
+    # What was compared (and saved) are the exact fp32 masters, each the gathered bf16 shard joined
+    # with its gathered remainder, not the bf16 weights (whose low 16 bits are all zero).
+    state = torch.load(out)["state"]
+    for name in [key for key in state if key.endswith(".master_remainder")]:
+        master = state["weight " + name[len("optimizer "):-len(".master_remainder")]]
+        assert master.dtype == torch.float32 and (master.view(torch.int32) & 0xFFFF).any()
+        assert torch.equal(split_master(master)[1], state[name])
+    total = unsharded_bytes(stdout)
+    for row in memory_rows(stdout).values():
+        assert row["fp32 weights (masters)"] == 0  # no fp32 copy on any rank
+        assert row["half weights"] == row["master remainders"] == row["gradients"] == total // 4
+
+
+def test_the_example_refuses_remainder_masters_where_they_cannot_be_exact():
+    result = run_fsdp_example("--master-weights", "remainder", "--half-dtype", "float16", *SMALL)
+    assert result.returncode != 0 and "--master-weights remainder needs" in result.stderr
 
 
 @pytest.mark.slow
@@ -491,6 +527,7 @@ def test_the_example_under_torchrun_prints_the_memory_table_for_fsdp2_and_ddp():
     assert sorted(sharded) == sorted(replicated) == [0, 1]
     # Per rank: the fp32 weights and the optimizer state are half of DDP's (one step count aside),
     # with no half copy.
-    assert sharded[0][1] * 2 == replicated[0][1] and sharded[0][3] < replicated[0][3] * 0.51
-    assert sharded[0][0] == 0 and replicated[0][0] > 0
-    assert sum(sharded[0][:4]) < sum(replicated[0][:4]) * 0.6
+    masters, state = "fp32 weights (masters)", "optimizer state"
+    assert sharded[0][masters] * 2 == replicated[0][masters] and sharded[0][state] < replicated[0][state] * 0.51
+    assert sharded[0]["half weights"] == 0 and replicated[0]["half weights"] > 0
+    assert sharded[0]["total"] < replicated[0]["total"] * 0.6
