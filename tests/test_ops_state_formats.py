@@ -206,6 +206,51 @@ def test_every_cpu_instruction_set_runs_the_formats_bit_for_bit(capability):
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
 
 
+# Units of many segments (the CPU kernels convert the states of one segment while the rule runs
+# over the next: kernels.inc), with blocks of each kind among them: zeros, tiny (flushed), huge,
+# NaN, NaN gradients, and plain values; the smallest block (16 per segment), the default, the
+# largest (one per segment); the first shape has two units, the last unit ending mid-segment.
+_SEGMENTED = [(32, [(600, 32)]), (256, [(20, 256), (5, 256)]), (4096, [(3, 4096)])]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block,shapes", _SEGMENTED, ids=[f"block{b}" for b, _ in _SEGMENTED])
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("rule", STATEFUL)
+def test_special_blocks_over_many_segments_step_as_their_fp32_values_quantized_again(backend, rule, fmt,
+                                                                                       block, shapes):
+    ns = _backend_ops(backend)
+    formatted = steps.make_step(steps.RULES[rule], shapes, fmt, block, grad_dtype=torch.bfloat16,
+                                model_dtype=torch.bfloat16, seed=23)
+    g = torch.Generator().manual_seed(29)
+    special = torch.tensor([0.0, -0.0, 1e-39, 1e-30, 3.0e38, -3.0e38, 1e-7, 0.5, -1.0, 448.0])
+    count = len(shapes)
+    for k, state in enumerate(formatted.states):
+        nonnegative = steps.RULES[rule].nonnegative[k]
+        for i, codes in enumerate(state):
+            if codes.dtype not in steps.BLOCKED:
+                continue
+            raw = torch.randn(codes.shape, generator=g) * 0.1
+            sprinkled = torch.rand(codes.shape, generator=g) < 0.02
+            raw = torch.where(sprinkled, special[torch.randint(0, len(special), codes.shape, generator=g)], raw)
+            rows = raw.shape[0]
+            raw[rows // 3].zero_()            # a block of zeros
+            raw[rows // 2].fill_(1e-39)       # a block flushed to zero codes
+            raw[-1, ::7] = 3.0e38             # a block whose other values round to zero
+            raw[rows // 4, 5] = float("nan")  # a NaN block (fp8: a NaN code among zeros)
+            new_codes, absmax = state_formats.quantize(raw.abs() if nonnegative else raw, codes.dtype, block)
+            codes.copy_(new_codes)
+            formatted.absmaxes[k * count + i].copy_(absmax.reshape(-1))
+    for grad in formatted.grads:
+        flat = grad.view(-1)
+        flat[torch.randint(0, flat.numel(), (5,), generator=g)] = float("nan")
+        flat[flat.numel() // 2 + 3] = float("inf")
+    before, twin = formatted.clone(), steps.fp32_twin(formatted)
+    steps.RULES[rule].call(ns, formatted)
+    steps.RULES[rule].call(ns, twin)
+    steps.assert_bitwise_equal(formatted, steps.expected_from_twin(before, twin))
+
+
 def _code_steps(a, b):
     """How many codes apart two blocked states are, element by element."""
     if a.dtype == torch.float8_e4m3fn:  # sign and magnitude: the low 7 bits order the magnitudes

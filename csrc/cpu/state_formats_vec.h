@@ -347,12 +347,17 @@ inline void store_halves(void* p, IVec v) {
 // ---- the conversions -----------------------------------------------------------
 
 // dequantize_block, n a multiple of kLanes.
+// One vector of dequantize_lanes: factor is the block's absmax.
+inline void dequantize_vector(const Table<256>& lookup, const uint8_t* bytes, FVec factor, float* values) {
+  store_f(values, mul_f(lookup(load_bytes(bytes)), factor));
+}
+
 inline void dequantize_lanes(const float* table, const void* codes, float scale, int64_t n, float* values) {
   const auto* bytes = static_cast<const uint8_t*>(codes);
   const FVec factor = set_f(scale);
   const Table<256> lookup(table);
   for (int64_t i = 0; i < n; i += kLanes) {
-    store_f(values + i, mul_f(lookup(load_bytes(bytes + i)), factor));
+    dequantize_vector(lookup, bytes + i, factor, values + i);
   }
 }
 
@@ -361,45 +366,61 @@ inline void dequantize_lanes(const float* table, const void* codes, float scale,
 // eeee + 120 and mantissa mmm << 20; a subnormal one (eeee = 0) is mmm * 2^-9,
 // exact in fp32 and a normal number there (no flushing of denormals can change
 // it). A vector holding a NaN code (0x7f, 0xff) takes the scalar function.
+// One vector of dequantize_fp8_lanes: factor is set_f(absmax / kFp8Max).
+inline void dequantize_fp8_vector(const uint8_t* bytes, float absmax, FVec factor, float* values) {
+  const IVec low_bits = set_i(0x7F);
+  const IVec code = load_bytes(bytes);
+  const IVec magnitude = and_i(code, low_bits);
+  if (any(eq_i(magnitude, low_bits))) {
+    sf::dequantize_block(StateFormat::kFp8, bytes, absmax, kLanes, values);
+    return;
+  }
+  const IVec normal = add_i(shl_i<20>(magnitude), set_i(120 << 23));
+  const FVec subnormal = mul_f(to_float(magnitude), set_f(1.f / 512));
+  const FVec value = select_f(lt_i(magnitude, set_i(8)), as_float(normal), subnormal);
+  const IVec sign = shl_i<24>(and_i(code, set_i(0x80)));
+  store_f(values, mul_f(as_float(or_i(as_int(value), sign)), factor));
+}
+
 inline void dequantize_fp8_lanes(const void* codes, float absmax, int64_t n, float* values) {
   const auto* bytes = static_cast<const uint8_t*>(codes);
   const FVec factor = set_f(absmax / sf::kFp8Max);
-  const IVec low_bits = set_i(0x7F);
   for (int64_t i = 0; i < n; i += kLanes) {
-    const IVec code = load_bytes(bytes + i);
-    const IVec magnitude = and_i(code, low_bits);
-    if (any(eq_i(magnitude, low_bits))) {
-      sf::dequantize_block(StateFormat::kFp8, bytes + i, absmax, kLanes, values + i);
-      continue;
-    }
-    const IVec normal = add_i(shl_i<20>(magnitude), set_i(120 << 23));
-    const FVec subnormal = mul_f(to_float(magnitude), set_f(1.f / 512));
-    const FVec value = select_f(lt_i(magnitude, set_i(8)), as_float(normal), subnormal);
-    const IVec sign = shl_i<24>(and_i(code, set_i(0x80)));
-    store_f(values + i, mul_f(as_float(or_i(as_int(value), sign)), factor));
+    dequantize_fp8_vector(bytes + i, absmax, factor, values + i);
   }
 }
 
-// block_absmax, n a multiple of kLanes.
-inline float absmax_lanes(const float* values, int64_t n) {
-  const IVec magnitude_bits = set_i(0x7FFFFFFF);
+// A block's absmax, gathered vector by vector: observe each, then finish.
+struct AbsmaxLanes {
   FVec largest = set_f(0.f);
   Mask nan = no_lanes();
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const FVec v = load_f(values + i);
+
+  void observe(FVec v) {
     nan = or_m(nan, nan_f(v));
-    largest = max_f(largest, as_float(and_i(as_int(v), magnitude_bits)));
+    largest = max_f(largest, as_float(and_i(as_int(v), set_i(0x7FFFFFFF))));
   }
-  if (any(nan)) {
-    return nan_absmax();
+
+  float finish() const {
+    if (any(nan)) {
+      return nan_absmax();
+    }
+    alignas(64) float lanes[kLanes];
+    store_f(lanes, largest);
+    float result = 0.f;
+    for (int64_t k = 0; k < kLanes; ++k) {
+      result = lanes[k] > result ? lanes[k] : result;
+    }
+    return result;
   }
-  alignas(64) float lanes[kLanes];
-  store_f(lanes, largest);
-  float result = 0.f;
-  for (int64_t k = 0; k < kLanes; ++k) {
-    result = lanes[k] > result ? lanes[k] : result;
+};
+
+// block_absmax, n a multiple of kLanes.
+inline float absmax_lanes(const float* values, int64_t n) {
+  AbsmaxLanes absmax;
+  for (int64_t i = 0; i < n; i += kLanes) {
+    absmax.observe(load_f(values + i));
   }
-  return result;
+  return absmax.finish();
 }
 
 // clamp_to_unit(value * inv, low). max/min return their second operand when
@@ -430,6 +451,24 @@ inline IVec fp8_codes(FVec value) {
   IVec code = select_i(lt_i(magnitude, set_i(kSmallestNormal)), normal, and_i(subnormal, set_i(0xFF)));
   code = select_i(lt_i(magnitude, set_i(kFp8Limit)), out_of_range, code);
   return or_i(code, shr_i<24>(sign));
+}
+
+// fp8_codes for what quantizing meets: values in [-448, 448] (scaled_unit's
+// clamp times 448) or NaN. Such a value never reaches 480 (the saturation),
+// its normal code is at most 0x7e (448) and fits in 7 bits, and its
+// subnormal code is at most 8, so fp8_codes' range checks and masks drop out
+// and NaN alone takes 0x7f.
+inline IVec fp8_codes_in_range(FVec value) {
+  constexpr int32_t kDenormMagic = 141 << 23;    // 2^14
+  constexpr int32_t kSmallestNormal = 121 << 23; // 2^-6
+  const IVec bits = as_int(value);
+  const IVec magnitude = and_i(bits, set_i(0x7FFFFFFF));
+  const IVec subnormal = sub_i(as_int(add_f(as_float(magnitude), as_float(set_i(kDenormMagic)))), set_i(kDenormMagic));
+  const IVec odd = and_i(shr_i<20>(magnitude), set_i(1));
+  const IVec normal = shr_i<20>(add_i(add_i(magnitude, set_i(static_cast<int32_t>((uint32_t)(7 - 127) << 23) + 0x7FFFF)), odd));
+  IVec code = select_i(lt_i(magnitude, set_i(kSmallestNormal)), normal, subnormal);
+  code = select_i(nan_f(value), code, set_i(0x7f));
+  return or_i(code, and_i(shr_i<24>(bits), set_i(0x80)));
 }
 
 // The branch-free count of midpoints below x (nearest_entry): step kLevel
@@ -507,16 +546,37 @@ struct ZoneCount {
   }
 };
 
+// One vector of fp8 codes; inv is the block's BlockScale::inv.
+inline void quantize_fp8_vector(const float* values, FVec inv, uint8_t* bytes) {
+  store_bytes(bytes, fp8_codes_in_range(mul_f(scaled_unit(load_f(values), inv, set_f(-1.f)), set_f(sf::kFp8Max))));
+}
+
+// One vector of int8 (is_signed) or uint8 codes of a block whose scale does
+// not zero its codes; zone_count is the map's (kSignedZones or kUnsignedZones).
+inline void quantize_int8_vector(const float* values, FVec inv, bool is_signed, const ZoneCount& zone_count,
+                                 uint8_t* bytes) {
+  const IVec zero = set_i(0);
+  const FVec x = scaled_unit(load_f(values), inv, set_f(is_signed ? -1.f : 0.f));
+  Mask doubtful;
+  const IVec count = zone_count(as_float(and_i(as_int(x), set_i(0x7FFFFFFF))), doubtful);
+  // The code is index - zero_index: +count above 0; the signed map is
+  // symmetric, so -count below (a tie with a midpoint is doubtful).
+  IVec code = is_signed ? select_i(lt_i(as_int(x), zero), count, sub_i(zero, count)) : count;
+  if (any(doubtful)) {
+    const NearestEntry nearest_entry(is_signed ? kSignedSearch : kUnsignedSearch);
+    code = sub_i(nearest_entry(x), set_i(is_signed ? sf::kSignedZeroIndex : 0));
+  }
+  store_bytes(bytes, and_i(code, set_i(0xFF)));
+}
+
 // quantize_block's codes, n a multiple of kLanes, with the block's scale.
 inline void quantize_lanes(StateFormat format, const float* values, int64_t n, const sf::BlockScale& scale,
                            void* codes) {
   auto* bytes = static_cast<uint8_t*>(codes);
   const FVec inv = set_f(scale.inv);
   if (format == StateFormat::kFp8) {
-    const FVec low = set_f(-1.f);
-    const FVec fp8_max = set_f(sf::kFp8Max);
     for (int64_t i = 0; i < n; i += kLanes) {
-      store_bytes(bytes + i, fp8_codes(mul_f(scaled_unit(load_f(values + i), inv, low), fp8_max)));
+      quantize_fp8_vector(values + i, inv, bytes + i);
     }
     return;
   }
@@ -526,23 +586,8 @@ inline void quantize_lanes(StateFormat format, const float* values, int64_t n, c
   }
   const bool is_signed = format == StateFormat::kInt8;
   const ZoneCount zone_count(is_signed ? kSignedZones : kUnsignedZones);
-  const FVec low = set_f(is_signed ? -1.f : 0.f);
-  const IVec zero_index = set_i(is_signed ? sf::kSignedZeroIndex : 0);
-  const IVec byte = set_i(0xFF);
-  const IVec magnitude_bits = set_i(0x7FFFFFFF);
-  const IVec zero = set_i(0);
   for (int64_t i = 0; i < n; i += kLanes) {
-    const FVec x = scaled_unit(load_f(values + i), inv, low);
-    Mask doubtful;
-    const IVec count = zone_count(as_float(and_i(as_int(x), magnitude_bits)), doubtful);
-    // The code is index - zero_index: +count above 0; the signed map is
-    // symmetric, so -count below (a tie with a midpoint is doubtful).
-    IVec code = is_signed ? select_i(lt_i(as_int(x), zero), count, sub_i(zero, count)) : count;
-    if (any(doubtful)) {
-      const NearestEntry nearest_entry(is_signed ? kSignedSearch : kUnsignedSearch);
-      code = sub_i(nearest_entry(x), zero_index);
-    }
-    store_bytes(bytes + i, and_i(code, byte));
+    quantize_int8_vector(values + i, inv, is_signed, zone_count, bytes + i);
   }
 }
 
