@@ -184,20 +184,20 @@ def paired_o0(opt_name: str, model_name: str, args: dict, blocks: int = 40, bloc
     """
     sys.path[:0] = [str(HERE), str(HERE.parent / "examples"), str(HERE.parent)]
     torch.set_num_threads(args["threads"])
-    steps = {config: build_step(config, model_name, args)[0] for config in (f"fp32 / {opt_name}", f"apex O0 / {opt_name}")}
+    configs = (f"fp32 / {opt_name}", f"apex O0 / {opt_name}")
+    steps = {config: build_step(config, model_name, args)[0] for config in configs}
     samples: dict[str, list[float]] = {config: [] for config in steps}
     for step in steps.values():
         for _ in range(args["warmup"]):
             step()
-    order = list(steps)
     for block in range(blocks):
-        for config in order if block % 2 == 0 else order[::-1]:
+        for config in configs if block % 2 == 0 else configs[::-1]:
             step = steps[config]
             for _ in range(block_steps):
                 start = time.thread_time()
                 step()
                 samples[config].append(time.thread_time() - start)
-    plain, o0 = (statistics.median(samples[config]) for config in order)
+    plain, o0 = (statistics.median(samples[config]) for config in configs)
     return o0 / plain
 
 
@@ -215,9 +215,9 @@ def run_paired_o0(model_name: str, args: dict, processes: int) -> tuple[list[str
         for _ in range(processes):
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                 ratios.append(pool.submit(paired_o0, opt_name, model_name, args).result())
-        rows.append(f"| {model_name} | apex O0 / {opt_name} | {statistics.median(ratios):.3f} | "
-                    + " ".join(f"{r:.3f}" for r in ratios) + " |")
         ratio = statistics.median(ratios)
+        per_process = " ".join(f"{r:.3f}" for r in ratios)
+        rows.append(f"| {model_name} | apex O0 / {opt_name} | {ratio:.3f} | {per_process} |")
         verdicts.append((f"{model_name}: O0 / {opt_name} <= 1.05x fp32 / {opt_name}, in one process",
                          f"{ratio:.3f}x", ratio <= 1.05))
     return rows, verdicts

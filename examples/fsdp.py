@@ -334,7 +334,8 @@ def print_memory_table(args, probe: MemoryProbe, unsharded_fp32: int) -> None:
         return
     setup = "DDP" if args.ddp else "FSDP2"
     masters = ", remainder masters" if args.master_weights == "remainder" else ""
-    print(f"per-rank memory, {setup} {args.opt_level} {args.half_dtype} {args.optimizer}{masters}, {len(rows)} rank(s), "
+    print(f"per-rank memory, {setup} {args.opt_level} {args.half_dtype} {args.optimizer}{masters}, "
+          f"{len(rows)} rank(s), "
           f"bytes (the model's fp32 weights unsharded: {unsharded_fp32:,})")
     header = ["rank", *MemoryProbe.COLUMNS, "total", "all-gathered half (fwd peak)"]
     print("| " + " | ".join(header) + " |")

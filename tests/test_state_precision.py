@@ -288,7 +288,8 @@ def test_on_cuda_the_state_is_stored_in_its_format_and_follows_the_cpu_run(name,
                 assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
             else:
                 optimizers[device].step()
-    state, cpu_state = optimizers["cuda"].state[models["cuda"][0].weight], optimizers["cpu"].state[models["cpu"][0].weight]
+    state = optimizers["cuda"].state[models["cuda"][0].weight]
+    cpu_state = optimizers["cpu"].state[models["cpu"][0].weight]
     assert state.keys() == cpu_state.keys()
     stored = [key for key, value in state.items() if torch.is_tensor(value) and value.dtype in STORAGE[precision]]
     assert stored  # (NovoGrad's second moment is one norm per tensor: fp32 whatever the precision)
