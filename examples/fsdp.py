@@ -7,7 +7,8 @@
     torchrun --nproc_per_node=2 examples/fsdp.py --steps 4 --save-at 4 --checkpoint ckpt
     torchrun --nproc_per_node=1 examples/fsdp.py --steps 8 --resume ckpt        # resharded 2 -> 1
     torchrun --nproc_per_node=2 examples/fsdp.py --ddp                          # the same model under DDP
-    torchrun --nproc_per_node=2 examples/fsdp.py --master-weights remainder --state-precision int8 --reference
+    torchrun --nproc_per_node=2 examples/fsdp.py --master-weights remainder --reference
+    torchrun --nproc_per_node=2 examples/fsdp.py --master-weights remainder --state-precision int8
 
 The order under FSDP2 is: ``fully_shard`` each block and then the root, with
 ``MixedPrecisionPolicy(param_dtype=<half>, reduce_dtype=torch.float32)`` at
@@ -16,7 +17,7 @@ O2 (no policy at O0/O1), then build the optimizer from ``model.parameters()``
 ``--master-weights remainder`` (O2, bf16, FusedAdam) has ``amp.initialize``
 cast the shards to bf16 and keep the low 16 bits of each fp32 master in the
 optimizer (``master_remainder``, an int16 DTensor sharded alike): the exact
-fp32 masters without an fp32 copy, compared against the reference exactly.
+fp32 masters without an fp32 copy (``--reference`` compares them, joined).
 Every rank builds the same seeded model; each step's global batch is split
 between the ranks. The backend is gloo on CPU and NCCL when CUDA is available.
 
@@ -37,8 +38,8 @@ At the end every rank compares what must be equal everywhere (amp state, loss
 scale, optimizer step counts, skipped steps) with rank 0's, bitwise, and rank
 0 prints the per-rank memory table (measured inside the last
 ``optimizer.step()``, before the update): the persistent half weights, the
-fp32 weights the optimizer updates (the masters), gradients and optimizer
-state, each rank's own bytes (every storage counted once), and under FSDP2 the
+fp32 weights the optimizer updates (the masters), the masters' remainders,
+gradients and optimizer state, each rank's own bytes (every storage counted once), and under FSDP2 the
 half all-gathered weights alive at once during the forward. The exit code is
 1 when the ranks disagree or the reference differs.
 """
@@ -335,8 +336,7 @@ def print_memory_table(args, probe: MemoryProbe, unsharded_fp32: int) -> None:
     setup = "DDP" if args.ddp else "FSDP2"
     masters = ", remainder masters" if args.master_weights == "remainder" else ""
     print(f"per-rank memory, {setup} {args.opt_level} {args.half_dtype} {args.optimizer}{masters}, "
-          f"{len(rows)} rank(s), "
-          f"bytes (the model's fp32 weights unsharded: {unsharded_fp32:,})")
+          f"{len(rows)} rank(s), bytes (the model's fp32 weights unsharded: {unsharded_fp32:,})")
     header = ["rank", *MemoryProbe.COLUMNS, "total", "all-gathered half (fwd peak)"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
