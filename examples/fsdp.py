@@ -238,15 +238,12 @@ def replicated_state(optimizer: torch.optim.Optimizer, skipped: list[bool]) -> l
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
-    """Every rank gathers the full fp32 weights and optimizer state (collectives: call on every rank)."""
-    def full(value):
-        return as_tensor(gather(value))
-
-    state = {f"weight {name}": full(param.detach()) for name, param in model.named_parameters()}
+    """Every rank gathers the full fp32 masters and optimizer state (collectives: call on every rank)."""
+    state = exact_masters(model, optimizer)
     names = {param: name for name, param in model.named_parameters()}
     for param, entries in optimizer.state.items():
         for key, value in sorted(entries.items()):
-            state[f"optimizer {names[param]}.{key}"] = full(value)
+            state[f"optimizer {names[param]}.{key}"] = as_tensor(gather(value))
     return state
 
 
@@ -429,8 +426,7 @@ def train_and_check(args: argparse.Namespace, use_cuda: bool) -> bool:
     verdicts = [None] * world_size
     dist.all_gather_object(verdicts, differing)
     agree = not any(verdicts)
-    state = full_state(model, optimizer) if not args.ddp else {}
-    state.update(exact_masters(model, optimizer, full=not args.ddp))  # (the fp32 weights the reference compares)
+    state = full_state(model, optimizer) if not args.ddp else exact_masters(model, optimizer, full=False)
     if rank == 0:
         skipped_at = [start_step + i for i, flag in enumerate(skipped) if flag]
         print(f"{'DDP' if args.ddp else 'FSDP2'} {args.opt_level} {args.half_dtype} {args.optimizer}: {world_size} "
