@@ -179,7 +179,9 @@ inline uint8_t quantize_uint8(float value, const BlockScale& scale) {
     return 0;
   }
   const float x = clamp_to_unit(value * scale.inv, 0.f);
-  return static_cast<uint8_t>(nearest_entry(kUnsignedMidpoints, x));
+  const int index = nearest_entry(kUnsignedMidpoints, x);
+  // A positive x keeps the smallest positive entry (state_formats.py says why).
+  return static_cast<uint8_t>(index == 0 && x > 0.f ? 1 : index);
 }
 
 inline float dequantize_fp8(c10::Float8_e4m3fn code, float absmax) {

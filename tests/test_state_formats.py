@@ -78,6 +78,20 @@ def test_int8_codes_are_the_nearest_map_entry_ties_to_the_lower():
     assert codes[1:4].long().add(127).tolist() == [i, i, i + 1]
 
 
+def test_positive_values_of_a_never_negative_state_keep_the_smallest_entry():
+    # The unsigned map (exp_avg_sq, Adagrad's sum): a second moment stored as 0 would make Adam divide
+    # by the current gradient alone. Below half the smallest entry (1.6e-7 of the absmax) a positive
+    # value keeps that entry; zero stays zero. The signed map rounds to its nearest entry, 0 included.
+    smallest = dynamic_map(False)[1].item()
+    values = torch.zeros(32)
+    values[0] = 1.0  # absmax 1: x is the value itself
+    values[1:6] = torch.tensor([smallest * 0.49, 1e-20, 1e-38, 1e-44, smallest * 0.51])
+    codes, _ = quantize(values, torch.uint8, 32)
+    assert codes[1:7].tolist() == [1, 1, 1, 1, 1, 0]
+    signed, _ = quantize(values, torch.int8, 32)
+    assert signed[1:5].tolist() == [0, 0, 0, 0]
+
+
 @pytest.mark.parametrize("dtype", BLOCKED)
 def test_special_blocks_zero_tiny_and_nonfinite(dtype):
     values = torch.zeros(4, 32)

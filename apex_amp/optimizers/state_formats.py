@@ -23,7 +23,11 @@ Quantizing one block of fp32 values ``v`` with ``a = max |v|`` (NaN if any is Na
   zero codes (the block is flushed to zero: such moments are far below any ``eps``);
 * else ``x = clamp(v * (1 / a), -1, 1)`` in fp32 (``[0, 1]`` for the unsigned map);
   int8: the code of the nearest map entry, ties to the lower entry (compared
-  with the fp32 midpoints ``(m[i] + m[i+1]) * 0.5``); fp8: ``x * 448`` rounded to
+  with the fp32 midpoints ``(m[i] + m[i+1]) * 0.5``), except that the unsigned
+  map gives an ``x > 0`` at least its smallest positive entry: a second moment
+  stored as 0 would make Adam divide by the current gradient alone, and the
+  step of an element whose gradients are small for its block grow with the
+  step count (docs/low_precision_state.md); fp8: ``x * 448`` rounded to
   nearest even e4m3fn.
 
 Which format a parameter's state gets is decided from its *global* shape
@@ -238,6 +242,9 @@ def quantize(values: Tensor, dtype: torch.dtype, block: Optional[int] = None) ->
         signed = dtype == torch.int8
         table = dynamic_map(signed, values.device)
         index = torch.searchsorted(_midpoints(table), x.contiguous())
+        if not signed:
+            # A never-negative state's positive values keep the smallest positive entry (see the docstring).
+            index = torch.where((index == 0) & (x > 0), 1, index)
         zero = 127 if signed else 0
         index = torch.where((usable & finite)[:, None], index, zero)
         codes = (index - 127).to(torch.int8) if signed else index.to(torch.uint8)

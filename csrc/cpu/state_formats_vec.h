@@ -16,7 +16,8 @@
 //   eight steps of a binary search whose candidates at each step are looked up
 //   by the step's prefix (a table per step, built from the midpoints padded
 //   with +inf to 255 entries, so the search counts exactly the midpoints < x;
-//   NaN compares false and gives 0, as the scalar loop does).
+//   NaN compares false and gives 0, as the scalar loop does). uint8 then
+//   raises a positive x's code 0 to 1, as the scalar does.
 // - Quantizing to fp8 restates c10's fp32 -> float8_e4m3fn conversion
 //   (round to nearest even, subnormals through the same fp32 add) lane by lane
 //   in 32-bit integer arithmetic.
@@ -565,6 +566,9 @@ inline void quantize_int8_vector(const float* values, FVec inv, bool is_signed, 
   if (any(doubtful)) {
     const NearestEntry nearest_entry(is_signed ? kSignedSearch : kUnsignedSearch);
     code = sub_i(nearest_entry(x), set_i(is_signed ? sf::kSignedZeroIndex : 0));
+  }
+  if (!is_signed) {
+    code = select_i(gt_f(x, set_f(0.f)), code, max_i(code, set_i(1)));  // as sf::quantize_uint8
   }
   store_bytes(bytes, and_i(code, set_i(0xFF)));
 }
