@@ -325,11 +325,42 @@ CONFIG_IDS = [f"{level}-{str(dtype).removeprefix('torch.')}-{kind}" for level, d
 class Event(NamedTuple):
     """One call since the last step, as the oracle sees it."""
 
-    kind: str  # "pass" or "clear"
+    kind: str  # "pass", "clear" or "reload" (amp.load_state_dict during a delay_unscale accumulation)
     overflow: bool = False
     delay: bool = False  # delay_unscale=True
     client: bool = False  # delay_overflow_check=True: the skip is the client's (update_scale())
+    onto_grads: bool = False  # checked gradients (zeros too) were there when the pass began
     wipes: bool = False  # a clear that leaves no gradient the next step would consume
+
+
+def taken_in(events: list[Event]) -> list[tuple[int, Event]]:
+    """The checks of the passes since the last step, each by its index in ``events``.
+
+    A ``delay_unscale=True`` pass leaves its gradients scaled and unchecked: the next pass without
+    it unscales and checks them with its own (an overflow in either is that pass's, amp's or the
+    client's as that pass says), and a clear in between discards them. One that begins on checked
+    gradients (a pass before it, not stepped or cleared to None) cannot leave its own scaled on
+    top of them: it is checked at once (for every optimizer it covers), as a pass without
+    ``delay_unscale``. An accumulation whose scale an ``amp.load_state_dict`` replaced is checked
+    on its own, as its last pass says, when the next pass begins.
+    """
+    overflow, client, stale = None, False, False  # overflow: None while nothing accumulates
+    checks = []
+    for index, event in enumerate(events):
+        if event.kind == "reload":
+            stale = overflow is not None
+        elif event.kind == "clear":
+            overflow = False if overflow is not None else None
+        else:
+            if stale:
+                checks.append((index, Event("pass", overflow, client=client)))
+                overflow, stale = None, False
+            if event.delay and not event.onto_grads:
+                overflow, client = bool(overflow) or event.overflow, event.client
+            else:
+                checks.append((index, event._replace(overflow=event.overflow or bool(overflow))))
+                overflow = None
+    return checks
 
 
 class CallOrder(RuleBasedStateMachine):
@@ -357,6 +388,11 @@ class CallOrder(RuleBasedStateMachine):
         self.since_step: list[Event] = []
         self.poisoned = False  # the last step left the gradients of an overflowing pass (no clear after it)
         self.overflow_budget = 0  # the overflowing passes, and the overflows the client reported itself
+        # Per optimizer: checked (unscaled) gradients are there, zeros included, for a pass to add to.
+        self.grads_present = [False, False]
+        # A delay_unscale accumulation: none (None), or whether it holds gradient tensors (zeros too).
+        self.accumulation_holds: bool | None = None
+        self.accumulation_stale = False  # amp.load_state_dict replaced its scale
         self.batch = 0
 
     # ---- rules -----------------------------------------------------------------------------------
@@ -378,7 +414,16 @@ class CallOrder(RuleBasedStateMachine):
         with amp.scale_loss(loss, self.optimizers, delay_unscale=delay,
                             delay_overflow_check=client) as scaled_loss:
             scaled_loss.backward()
-        self.since_step.append(Event("pass", overflow, delay, client))
+        if self.accumulation_stale:  # taken in before the pass begins
+            self.grads_present = [self.accumulation_holds] * 2
+            self.accumulation_holds, self.accumulation_stale = None, False
+        onto_grads = any(self.grads_present)
+        self.since_step.append(Event("pass", overflow, delay, client, onto_grads=onto_grads))
+        if delay and not onto_grads:
+            self.accumulation_holds = True
+        else:
+            self.grads_present = [True, True]
+            self.accumulation_holds = None
         self.overflow_budget += overflow
         if overflow and not delay and not client:
             assert self.overflows() > overflows_before  # reported at its exit
@@ -391,7 +436,12 @@ class CallOrder(RuleBasedStateMachine):
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=set_to_none)
         # Under O2 the model's clear leaves the masters' gradients.
-        self.since_step.append(Event("clear", wipes=through == "optimizer" or self.config[0] != "O2"))
+        wipes = through == "optimizer" or self.config[0] != "O2"
+        self.since_step.append(Event("clear", wipes=wipes))
+        if wipes and set_to_none:
+            self.grads_present = [False, False]
+        if set_to_none and self.accumulation_holds:  # it is on the model (or discarded with it)
+            self.accumulation_holds = False
 
     @rule(replace=st.booleans())
     def zero_grads_by_hand(self, replace):
@@ -419,6 +469,8 @@ class CallOrder(RuleBasedStateMachine):
             for param in [*masters, *self.model.parameters()]:
                 param.grad = None
             self.since_step.append(Event("clear", wipes=True))
+            self.grads_present = [False, False]
+            self.accumulation_holds = None if self.accumulation_holds is None else False
         else:
             self.step()
 
@@ -435,6 +487,9 @@ class CallOrder(RuleBasedStateMachine):
             optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
         after = [snapshot(self.model, optimizer) for optimizer in self.optimizers]
         assert all(same(a, b) for a, b in zip(before, after))
+        if self.accumulation_holds is not None:
+            self.accumulation_stale = True
+            self.since_step.append(Event("reload"))
 
     @rule()
     def step(self):
@@ -453,10 +508,8 @@ class CallOrder(RuleBasedStateMachine):
 
         # An overflow whose skip is amp's keeps the step skipped past any clear (apex had patched
         # the step by then); one whose skip is the client's, until a clear leaves nothing of it.
-        must_skip = any(event.kind == "pass" and event.overflow and not event.delay
-                        and not (event.client and wiped_after(index)) for index, event in enumerate(events))
-        overflow_left = any(event.kind == "pass" and event.overflow and not (event.client and wiped_after(index))
-                            for index, event in enumerate(events))
+        # A delay_unscale accumulation is checked by the pass that takes it in, as that pass's own.
+        must_skip = any(event.overflow and not (event.client and wiped_after(at)) for at, event in taken_in(events))
         for index, optimizer in enumerate(self.optimizers):
             # Parameters without a master: all but O2's, whose second optimizer holds the BatchNorm.
             has_direct = self.config[0] != "O2" or index == 1
@@ -484,7 +537,7 @@ class CallOrder(RuleBasedStateMachine):
                 assert skipped, "a pass added to the gradients a skipped step left, and the step was taken"
             last = events[-1] if events else None
             trains = (
-                passes and not overflow_left
+                passes and not must_skip
                 and last.kind == "pass" and not last.delay  # the last pass or clear: a pass taken in
                 and (not self.poisoned or cleared) and not carried
             )
@@ -494,6 +547,9 @@ class CallOrder(RuleBasedStateMachine):
         self.poisoned = (self.poisoned and not cleared) or any(
             event.kind == "pass" and event.overflow for event in events[cleared_at + 1:])
         self.since_step = []
+        # A step consumes the masters' gradients; parameters without one keep theirs, as in PyTorch.
+        if self.config[0] == "O2":
+            self.grads_present[0] = False
 
     # ---- invariants ------------------------------------------------------------------------------
     def overflows(self) -> int:
