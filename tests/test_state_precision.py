@@ -211,6 +211,27 @@ def test_a_step_is_the_fp32_step_on_the_dequantized_state_then_quantized(name, p
         assert torch.equal(big, twin_big)
 
 
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedAdagrad"])
+def test_an_int8_second_moment_far_below_its_block_is_never_stored_as_zero(name):
+    # One gradient of 1 per 128-element block, the others 1e-5: their squares are 1e-10 of the
+    # block's largest, under half the unsigned map's smallest entry (3.25e-7). Stored as 0, Adam's
+    # next step would divide by the current gradient alone (docs/low_precision_state.md).
+    factory, keys = FAMILY[name]
+    key = next(k for k, never_negative in keys.items() if never_negative)
+    param = nn.Parameter(torch.zeros(64, 128))
+    optimizer = factory([param], state_precision="int8")
+    grad = torch.full((64, 128), 1e-5)
+    grad[:, 0] = 1.0
+    for _ in range(3):
+        param.grad = grad.clone()
+        optimizer.step()
+    codes = optimizer.state[param][key]
+    assert codes.dtype == torch.uint8
+    assert bool((codes[:, 1:] == 1).all()) and bool((codes[:, 0] == 255).all())
+    if name == "FusedAdam":  # the small elements' steps stay under the learning rate
+        assert bool((param[:, 1:].abs() <= 3 * 1e-2).all())
+
+
 def test_a_skipped_step_changes_no_code_and_no_absmax():
     model = make_model()
     optimizer = FusedAdam(model.parameters(), lr=1e-2, state_precision="int8")
