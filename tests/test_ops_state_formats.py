@@ -87,7 +87,7 @@ def test_remainder_masters_over_units_and_threads(backend, rule):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8", "int8"])
 @pytest.mark.parametrize("rule", [*STATEFUL, "plain_sgd"])
 def test_remainder_masters_step_as_their_joined_fp32_masters(backend, rule, fmt, grad_dtype):
     _run_recipe(_backend_ops(backend), steps.RULES[rule], SIZES[2][1], fmt, grad_dtype=grad_dtype,

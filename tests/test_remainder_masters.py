@@ -58,7 +58,7 @@ def step_together(first, first_model, second, second_model, steps, skipped=SKIPP
     (16, SKIPPED),
     pytest.param(200, tuple(range(3, 200, 17)), marks=pytest.mark.slow),
 ])
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "fp8", "int8"])
 @pytest.mark.parametrize("name", sorted(FAMILY))
 def test_remainder_masters_update_bitwise_like_fp32_masters_through_skipped_steps(name, precision, steps, skipped):
     with_masters, with_remainders = make_model(), make_model()
