@@ -26,7 +26,7 @@ Quantizing one block of fp32 values ``v`` with ``a = max |v|`` (NaN if any is Na
   with the fp32 midpoints ``(m[i] + m[i+1]) * 0.5``), except that the unsigned
   map gives an ``x > 0`` at least its smallest positive entry: a second moment
   stored as 0 would make Adam divide by the current gradient alone, and the
-  step of an element whose gradients are small for its block grow with the
+  step of an element whose gradients are small for its block grows with the
   step count (docs/low_precision_state.md); fp8: ``x * 448`` rounded to
   nearest even e4m3fn.
 
