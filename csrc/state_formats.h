@@ -174,14 +174,18 @@ inline int8_t quantize_int8(float value, const BlockScale& scale) {
   return static_cast<int8_t>(nearest_entry(kSignedMidpoints, x) - kSignedZeroIndex);
 }
 
+// The unsigned map's code of x from its nearest entry: a positive x keeps the
+// smallest positive entry (state_formats.py says why). The CUDA encoder calls it too.
+C10_HOST_DEVICE inline uint8_t unsigned_code(int nearest, float x) {
+  return static_cast<uint8_t>(nearest == 0 && x > 0.f ? 1 : nearest);
+}
+
 inline uint8_t quantize_uint8(float value, const BlockScale& scale) {
   if (scale.zero_codes) {
     return 0;
   }
   const float x = clamp_to_unit(value * scale.inv, 0.f);
-  const int index = nearest_entry(kUnsignedMidpoints, x);
-  // A positive x keeps the smallest positive entry (state_formats.py says why).
-  return static_cast<uint8_t>(index == 0 && x > 0.f ? 1 : index);
+  return unsigned_code(nearest_entry(kUnsignedMidpoints, x), x);
 }
 
 inline float dequantize_fp8(c10::Float8_e4m3fn code, float absmax) {

@@ -133,8 +133,7 @@ __device__ inline uint8_t quantize_uint8(float value, const BlockScale& scale) {
     return 0;
   }
   const float x = clamp_to_unit(value * scale.inv, 0.f);
-  const int index = nearest_entry(kMaps.unsigned_midpoints, sf::kUnsignedMapSize - 1, x);
-  return static_cast<uint8_t>(index == 0 && x > 0.f ? 1 : index);  // as sf::quantize_uint8
+  return sf::unsigned_code(nearest_entry(kMaps.unsigned_midpoints, sf::kUnsignedMapSize - 1, x), x);
 }
 
 C10_HOST_DEVICE inline float dequantize_fp8(c10::Float8_e4m3fn code, float absmax) {
