@@ -389,8 +389,11 @@ class CallOrder(RuleBasedStateMachine):
         self.since_step: list[Event] = []
         self.poisoned = False  # the last step left the gradients of an overflowing pass (no clear after it)
         self.overflow_budget = 0  # the overflowing passes, and the overflows the client reported itself
-        # Per optimizer: checked (unscaled) gradients are there, zeros included, for a pass to add to.
-        self.grads_present = [False, False]
+        # Checked (unscaled) gradients are there, zeros included, for a pass to add to: on masters
+        # (O2's half layers; a step consumes them) or on direct parameters (the rest; a step leaves them,
+        # a clear through the model reaches them).
+        self.master_grads = False
+        self.direct_grads = False
         # A delay_unscale accumulation: none (None), or whether it holds gradient tensors (zeros too).
         self.accumulation_holds: bool | None = None
         self.accumulation_stale = False  # amp.load_state_dict replaced its scale
@@ -416,14 +419,14 @@ class CallOrder(RuleBasedStateMachine):
                             delay_overflow_check=client) as scaled_loss:
             scaled_loss.backward()
         if self.accumulation_stale:  # taken in before the pass begins
-            self.grads_present = [self.accumulation_holds] * 2
+            self.master_grads = self.direct_grads = bool(self.accumulation_holds)
             self.accumulation_holds, self.accumulation_stale = None, False
-        onto_grads = any(self.grads_present)
+        onto_grads = self.master_grads or self.direct_grads
         self.since_step.append(Event("pass", overflow, delay, client, onto_grads=onto_grads))
         if delay and not onto_grads:
             self.accumulation_holds = True
         else:
-            self.grads_present = [True, True]
+            self.master_grads = self.direct_grads = True
             self.accumulation_holds = None
         self.overflow_budget += overflow
         if overflow and not delay and not client:
@@ -439,8 +442,9 @@ class CallOrder(RuleBasedStateMachine):
         # Under O2 the model's clear leaves the masters' gradients.
         wipes = through == "optimizer" or self.config[0] != "O2"
         self.since_step.append(Event("clear", wipes=wipes))
-        if wipes and set_to_none:
-            self.grads_present = [False, False]
+        if set_to_none:
+            self.direct_grads = False
+            self.master_grads = self.master_grads and not wipes
         if set_to_none and self.accumulation_holds:  # it is on the model (or discarded with it)
             self.accumulation_holds = False
 
@@ -474,7 +478,7 @@ class CallOrder(RuleBasedStateMachine):
             for param in [*masters, *self.model.parameters()]:
                 param.grad = None
             self.since_step.append(Event("clear", wipes=True))
-            self.grads_present = [False, False]
+            self.master_grads = self.direct_grads = False
             self.accumulation_holds = None if self.accumulation_holds is None else False
         else:
             self.step()
@@ -557,8 +561,7 @@ class CallOrder(RuleBasedStateMachine):
             event.kind == "pass" and event.overflow for event in events[cleared_at + 1:])
         self.since_step = []
         # A step consumes the masters' gradients; parameters without one keep theirs, as in PyTorch.
-        if self.config[0] == "O2":
-            self.grads_present[0] = False
+        self.master_grads = False
 
     # ---- invariants ------------------------------------------------------------------------------
     def overflows(self) -> int:
@@ -623,6 +626,18 @@ FOUND = {
     "update_scale_during_an_accumulation": ("O3-float16-SGD", [
         ("backward", {"overflow": False, "delay": True}),
         ("client_checks_then_steps", {}),
+        ("backward", {"overflow": True, "delay": True}),
+        ("client_checks_then_steps", {}),
+        ("backward", {"overflow": False, "delay": False}),
+        ("client_checks_then_steps", {}),
+    ]),
+    # Under O2 a clear through the model to None leaves no gradient after a step (the step consumed
+    # the masters', the clear took the BatchNorm's): the overflowing delayed pass after it is an
+    # accumulation, taken in and checked by the next pass.
+    "a_model_clear_after_a_step_under_o2": ("O2-float16-SGD", [
+        ("backward", {"overflow": False, "delay": False}),
+        ("client_checks_then_steps", {}),
+        ("zero_grad", {"through": "model", "set_to_none": True}),
         ("backward", {"overflow": True, "delay": True}),
         ("client_checks_then_steps", {}),
         ("backward", {"overflow": False, "delay": False}),
