@@ -162,8 +162,18 @@ inline int nearest_entry(const std::array<float, kSize>& midpoints, float x) {
   return low;
 }
 
+// The fp8 code of `scaled` (x * 448) from c10's nearest-even code: a nonzero
+// value keeps the smallest subnormal of its sign (state_formats.py says why:
+// fp8 has one format for every state, so the rule covers the signed ones too).
+// The CUDA encoder calls it too.
+C10_HOST_DEVICE inline uint8_t fp8_code_keeping_nonzero(uint8_t nearest, float scaled) {
+  return static_cast<uint8_t>((nearest & 0x7F) == 0 && scaled != 0.f ? nearest | 1 : nearest);
+}
+
 inline c10::Float8_e4m3fn quantize_fp8(float value, const BlockScale& scale) {
-  return c10::Float8_e4m3fn(clamp_to_unit(value * scale.inv, -1.f) * kFp8Max);
+  const float scaled = clamp_to_unit(value * scale.inv, -1.f) * kFp8Max;
+  return c10::Float8_e4m3fn(fp8_code_keeping_nonzero(c10::Float8_e4m3fn(scaled).x, scaled),
+                            c10::Float8_e4m3fn::from_bits());
 }
 
 inline int8_t quantize_int8(float value, const BlockScale& scale) {

@@ -92,6 +92,26 @@ def test_positive_values_of_a_never_negative_state_keep_the_smallest_entry():
     assert signed[1:5].tolist() == [0, 0, 0, 0]
 
 
+def test_nonzero_fp8_values_keep_the_smallest_subnormal_of_their_sign():
+    # fp8 has one format for every state, the second moments' too: a nonzero value under half the
+    # smallest subnormal (2**-10 of absmax / 448) keeps that subnormal, with its sign; zero and -0
+    # stay; every other value is c10's nearest-even code.
+    values = torch.zeros(64)
+    values[0] = 1.0  # absmax 1: x * 448 is the value times 448
+    half_step = 2.0**-10 / 448
+    tiny = torch.tensor([half_step, half_step * 0.99, 1e-20, 1e-38, 1e-44, half_step * 1.01])
+    values[1:7], values[7:13], values[13] = tiny, -tiny, -0.0
+    values[14:63] = torch.arange(-24, 25) / 24  # values[63] stays 0
+    codes, _ = quantize(values, torch.float8_e4m3fn, 64)
+    bits = codes.view(torch.uint8)
+    assert bits[1:7].tolist() == [1] * 6 and bits[7:13].tolist() == [0x81] * 6
+    assert bits[13] == 0x80 and bits[63] == 0  # -0 and 0 stay
+    plain = (values * 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(bits[14:], plain[14:]) and bits[0] == plain[0]
+    # What nearest-even alone makes of them: 0 up to half the subnormal (ties to even), 1 past it.
+    assert (plain[1:13] & 0x7F).tolist() == [0, 0, 0, 0, 0, 1] * 2
+
+
 @pytest.mark.parametrize("dtype", BLOCKED)
 def test_special_blocks_zero_tiny_and_nonfinite(dtype):
     values = torch.zeros(4, 32)

@@ -211,23 +211,27 @@ def test_a_step_is_the_fp32_step_on_the_dequantized_state_then_quantized(name, p
         assert torch.equal(big, twin_big)
 
 
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
 @pytest.mark.parametrize("name", ["FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedAdagrad"])
-def test_an_int8_second_moment_far_below_its_block_is_never_stored_as_zero(name):
+def test_a_low_precision_second_moment_far_below_its_block_is_never_stored_as_zero(name, precision):
     # One gradient of 1 per 128-element block, the others 1e-5: their squares are 1e-10 of the
-    # block's largest, under half the unsigned map's smallest entry (3.25e-7). Stored as 0, Adam's
-    # next step would divide by the current gradient alone (docs/low_precision_state.md).
+    # block's largest, under half the smallest entry of either format (3.25e-7 in int8's unsigned
+    # map, 2**-9 / 448 = 4.4e-6 in fp8). Stored as 0, Adam's next step would divide by the current
+    # gradient alone (docs/low_precision_state.md).
     factory, keys = FAMILY[name]
     key = next(k for k, never_negative in keys.items() if never_negative)
     param = nn.Parameter(torch.zeros(64, 128))
-    optimizer = factory([param], state_precision="int8")
+    optimizer = factory([param], state_precision=precision)
     grad = torch.full((64, 128), 1e-5)
     grad[:, 0] = 1.0
     for _ in range(3):
         param.grad = grad.clone()
         optimizer.step()
     codes = optimizer.state[param][key]
-    assert codes.dtype == torch.uint8
-    assert bool((codes[:, 1:] == 1).all()) and bool((codes[:, 0] == 255).all())
+    smallest, largest = {"int8": (1, 255), "fp8": (1, 0x7E)}[precision]
+    assert codes.dtype == STORAGE[precision][1]
+    codes = codes.view(torch.uint8)
+    assert bool((codes[:, 1:] == smallest).all()) and bool((codes[:, 0] == largest).all())
     if name == "FusedAdam":  # the small elements' steps stay under the learning rate
         assert bool((param[:, 1:].abs() <= 3 * 1e-2).all())
 

@@ -28,7 +28,10 @@ Quantizing one block of fp32 values ``v`` with ``a = max |v|`` (NaN if any is Na
   stored as 0 would make Adam divide by the current gradient alone, and the
   step of an element whose gradients are small for its block grows with the
   step count (docs/low_precision_state.md); fp8: ``x * 448`` rounded to
-  nearest even e4m3fn.
+  nearest even e4m3fn, except that a nonzero value keeps the smallest
+  subnormal of its sign (``2**-9``): fp8 has one format for every state, so
+  the rule that keeps a second moment off 0 covers the signed states as well,
+  where it moves a value under ``2**-10`` by at most ``2**-9`` (of ``absmax / 448``).
 
 Which format a parameter's state gets is decided from its *global* shape
 (:func:`state_layout`), so that it is the same on every FSDP2 mesh: tensors under
@@ -237,7 +240,10 @@ def quantize(values: Tensor, dtype: torch.dtype, block: Optional[int] = None) ->
     low = 0.0 if dtype == torch.uint8 else -1.0
     x = torch.clamp(flat * inv[:, None], low, 1.0)
     if dtype == torch.float8_e4m3fn:
-        codes = (x * FP8_MAX).to(dtype)
+        scaled = x * FP8_MAX
+        bits = scaled.to(dtype).view(torch.uint8)
+        # A nonzero value keeps the smallest subnormal of its sign (see the docstring).
+        codes = torch.where(((bits & 0x7F) == 0) & (scaled != 0), bits | 1, bits).view(dtype)
     elif dtype in (torch.int8, torch.uint8):
         signed = dtype == torch.int8
         table = dynamic_map(signed, values.device)

@@ -20,7 +20,8 @@
 //   raises a positive x's code 0 to 1, as the scalar does.
 // - Quantizing to fp8 restates c10's fp32 -> float8_e4m3fn conversion
 //   (round to nearest even, subnormals through the same fp32 add) lane by lane
-//   in 32-bit integer arithmetic.
+//   in 32-bit integer arithmetic, then raises a nonzero value's code 0 to 1,
+//   as the scalar does.
 // - A block's absmax is the lanes' largest magnitude; a NaN anywhere makes it
 //   the scalar's quiet NaN.
 // - Remainder masters are the scalar bit arithmetic, lane by lane.
@@ -430,35 +431,13 @@ inline FVec scaled_unit(FVec value, FVec inv, FVec low) {
   return min_f(set_f(1.f), max_f(low, mul_f(value, inv)));
 }
 
-// c10's fp8e4m3fn_from_fp32_value, lane by lane (the sign is cleared before
-// the comparisons, so signed 32-bit compares order the bits as unsigned ones).
-inline IVec fp8_codes(FVec value) {
-  constexpr int32_t kFp8Limit = 1087 << 20;      // 480, the first value past the format
-  constexpr int32_t kDenormMagic = 141 << 23;    // 2^14
-  constexpr int32_t kSmallestNormal = 121 << 23; // 2^-6
-  const IVec bits = as_int(value);
-  const IVec sign = and_i(bits, set_i(static_cast<int32_t>(0x80000000u)));
-  const IVec magnitude = xor_i(bits, sign);
-  // |value| >= 480 or NaN: 0x7f for NaN, 0x7e (saturated) otherwise.
-  const IVec out_of_range =
-      select_i(gt_i(magnitude, set_i(0x7F800000)), set_i(0x7e), set_i(0x7f));
-  // Subnormal codes: the magic add rounds to nearest even at 2^-9.
-  const IVec subnormal = sub_i(as_int(add_f(as_float(magnitude), as_float(set_i(kDenormMagic)))), set_i(kDenormMagic));
-  // Normal codes: re-bias, round to nearest even at 3 mantissa bits.
-  const IVec odd = and_i(shr_i<20>(magnitude), set_i(1));
-  IVec normal = shr_i<20>(add_i(add_i(magnitude, set_i(static_cast<int32_t>((uint32_t)(7 - 127) << 23) + 0x7FFFF)), odd));
-  normal = and_i(normal, set_i(0xFF));
-  normal = select_i(eq_i(normal, set_i(0x7f)), normal, set_i(0x7e));
-  IVec code = select_i(lt_i(magnitude, set_i(kSmallestNormal)), normal, and_i(subnormal, set_i(0xFF)));
-  code = select_i(lt_i(magnitude, set_i(kFp8Limit)), out_of_range, code);
-  return or_i(code, shr_i<24>(sign));
-}
-
-// fp8_codes for what quantizing meets: values in [-448, 448] (scaled_unit's
-// clamp times 448) or NaN. Such a value never reaches 480 (the saturation),
-// its normal code is at most 0x7e (448) and fits in 7 bits, and its
-// subnormal code is at most 8, so fp8_codes' range checks and masks drop out
-// and NaN alone takes 0x7f.
+// sf::quantize_fp8's codes, lane by lane, for what quantizing meets: values
+// in [-448, 448] (scaled_unit's clamp times 448) or NaN. c10's
+// fp8e4m3fn_from_fp32_value restated for them: such a value never reaches 480
+// (the saturation), its normal code is at most 0x7e (448) and fits in 7 bits,
+// and its subnormal code is at most 8, so c10's range checks and masks drop
+// out and NaN alone takes 0x7f. A nonzero magnitude keeps code 1 at least
+// (sf::fp8_code_keeping_nonzero).
 inline IVec fp8_codes_in_range(FVec value) {
   constexpr int32_t kDenormMagic = 141 << 23;    // 2^14
   constexpr int32_t kSmallestNormal = 121 << 23; // 2^-6
@@ -468,6 +447,7 @@ inline IVec fp8_codes_in_range(FVec value) {
   const IVec odd = and_i(shr_i<20>(magnitude), set_i(1));
   const IVec normal = shr_i<20>(add_i(add_i(magnitude, set_i(static_cast<int32_t>((uint32_t)(7 - 127) << 23) + 0x7FFFF)), odd));
   IVec code = select_i(lt_i(magnitude, set_i(kSmallestNormal)), normal, subnormal);
+  code = max_i(code, min_i(magnitude, set_i(1)));
   code = select_i(nan_f(value), code, set_i(0x7f));
   return or_i(code, and_i(shr_i<24>(bits), set_i(0x80)));
 }

@@ -116,7 +116,9 @@ C10_HOST_DEVICE inline int nearest_entry(const float* midpoints, int size, float
 }
 
 C10_HOST_DEVICE inline c10::Float8_e4m3fn quantize_fp8(float value, const BlockScale& scale) {
-  return c10::Float8_e4m3fn(clamp_to_unit(value * scale.inv, -1.f) * sf::kFp8Max);
+  const float scaled = clamp_to_unit(value * scale.inv, -1.f) * sf::kFp8Max;
+  return c10::Float8_e4m3fn(sf::fp8_code_keeping_nonzero(c10::Float8_e4m3fn(scaled).x, scaled),
+                            c10::Float8_e4m3fn::from_bits());
 }
 
 __device__ inline int8_t quantize_int8(float value, const BlockScale& scale) {
