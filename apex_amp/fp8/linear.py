@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from ..amp.casting import disable_casts
 from .numerics import dims_supported, forward_gemm, input_grad_gemm, weight_grad_gemm
 from .recipe import Fp8Recipe
 from .scaling import GRAD_OUTPUT, INPUT, WEIGHT, Fp8Scales, quantise
@@ -110,8 +111,12 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         binding = self.fp8_binding
-        # Autocast (O1) would cast the GEMM's fp32 scales to half: the fp8 path sets every dtype itself.
-        with torch.autocast(x.device.type, enabled=False):
+        # The fp8 path sets every dtype itself: neither torch's autocast nor O1's casts may reach its
+        # ops, and torch.autocast(enabled=False) does not switch O1 off (amp/casting/dispatch.py).
+        # Where torch._scaled_mm's CPU kernel is a composite of fp32 ops (AVX2 CPUs without
+        # AVX-512, torch 2.14), O1 would cast its inner matmul to half and round the product
+        # before the scales (tests/test_fp8.py fails on such a CPU without disable_casts).
+        with torch.autocast(x.device.type, enabled=False), disable_casts():
             if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
                                             or (self.bias is not None and self.bias.requires_grad)):
                 return _Fp8LinearFunction.apply(x, self.weight, self.bias, binding)
