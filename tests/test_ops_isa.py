@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from _backends import skip_unless_the_cpu_has
 from apex_amp._extension import STATUS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,6 +27,7 @@ COMPARE_SCRIPT = Path(__file__).resolve().parent / "_compare_backends.py"
 @pytest.mark.slow
 @pytest.mark.parametrize("capability", ("default", "avx2", "avx512"))
 def test_every_cpu_instruction_set_matches_the_fallback(capability):
+    skip_unless_the_cpu_has(capability)
     if not STATUS.loaded:
         pytest.skip(f"compiled extension not in use: {STATUS.reason}")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "PYTHONPATH": str(REPO)}

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import _state_steps as steps
-from _backends import BACKENDS, namespace_of
+from _backends import BACKENDS, namespace_of, skip_unless_the_cpu_has
 from _errors import raises_naming
 from apex_amp import _checks, ops
 from apex_amp.optimizers import fused_adagrad, fused_adam, fused_lamb, fused_novograd, fused_sgd, state_formats
@@ -195,6 +195,7 @@ def test_any_values_step_as_their_fp32_values_quantized_again(values, grads, fmt
 @pytest.mark.slow
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_every_cpu_instruction_set_runs_the_formats_bit_for_bit(capability):
+    skip_unless_the_cpu_has(capability)
     # One process per instruction set (the extension picks its kernels once per process).
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "PYTHONPATH": str(root)}

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import _reference as ref
+from _backends import skip_unless_the_cpu_has
 from apex_amp._extension import STATUS
 
 # Mirrors kStreamingModelCopyMinElements in csrc/cpu/fused_step_cpu.h.
@@ -132,6 +133,7 @@ print(json.dumps({{"capability": torch.backends.cpu.get_cpu_capability(), "probl
 @pytest.mark.slow
 @pytest.mark.parametrize("capability", ("default", "avx2", "avx512"))
 def test_streamed_model_copy_is_bitwise_under_every_instruction_set(capability):
+    skip_unless_the_cpu_has(capability)
     _extension_ops()
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "PYTHONPATH": str(REPO)}
     env.pop("APEX_AMP_FORCE_FALLBACK", None)

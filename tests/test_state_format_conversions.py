@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import _state_steps as steps
-from _backends import namespace_of
+from _backends import namespace_of, skip_unless_the_cpu_has
 from apex_amp.optimizers import state_formats
 
 BLOCK = 32
@@ -192,6 +192,7 @@ def test_remainder_masters_of_any_bits_join_and_split_as_the_reference(weights, 
 @pytest.mark.slow
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_every_cpu_instruction_set_converts_bit_for_bit(capability):
+    skip_unless_the_cpu_has(capability)
     # One process per instruction set (the extension picks its kernels once per process).
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "PYTHONPATH": str(root)}
