@@ -93,6 +93,17 @@ def scalars(op: str, device: torch.device, dtype: torch.dtype = torch.float32, *
                      f"element(s) of {t.dtype} on {t.device}")
 
 
+def per_tensor_values(op: str, device: torch.device, name: str, values: Tensor, rows: int, count: int) -> None:
+    """A contiguous float32 tensor on `device` of one value per tensor of the op's lists: shape
+    (count,) for one row, (rows, count) for several (LAMB's norm_squares, NovoGrad's grad_norms)."""
+    shape = (count,) if rows == 1 else (rows, count)
+    if tuple(values.shape) != shape or values.dtype != torch.float32 or values.device != device \
+            or not values.is_contiguous():
+        fail(op, f"{name} must be a contiguous float32 tensor of shape {shape} on {device} (one value per "
+                 f"param{'' if rows == 1 else ', per row'}); got shape {tuple(values.shape)} of {values.dtype} "
+                 f"on {values.device}{'' if values.is_contiguous() else ', not contiguous'}")
+
+
 def number(op: str, name: str, value: float, in_range: bool, expected: str) -> None:
     """A host number of the op; `in_range` is written so that NaN is False."""
     if not in_range:

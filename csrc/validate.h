@@ -365,6 +365,26 @@ inline void check_betas(const char* op, double beta1, double beta2) {
   check_number(op, "beta2", beta2, beta2 >= 0.0 && beta2 < 1.0, "in [0, 1)");
 }
 
+// One fp32 value per tensor of the op's lists, contiguous on `device`: shape
+// (count) for one row, (rows, count) for several (NovoGrad's grad_norms,
+// LAMB's norm_squares).
+inline void check_per_tensor_values(
+    const char* op, const char* name, const at::Tensor& values, int64_t rows, int64_t count,
+    const at::Device& device) {
+  const bool shape_ok = rows == 1 ? (values.dim() == 1 && values.size(0) == count)
+                                  : (values.dim() == 2 && values.size(0) == rows && values.size(1) == count);
+  TORCH_CHECK(
+      shape_ok, "apex_amp.", op, ": ", name, " must hold one value per param",
+      rows == 1 ? "" : ", per row", ": shape (", rows == 1 ? "" : std::to_string(rows) + ", ", count, "), got ",
+      values.sizes());
+  TORCH_CHECK(
+      values.scalar_type() == at::kFloat, "apex_amp.", op, ": ", name, " must be float32, got ",
+      values.scalar_type());
+  TORCH_CHECK(
+      values.device() == device, "apex_amp.", op, ": ", name, " is on ", values.device(), ", expected ", device);
+  TORCH_CHECK(values.is_contiguous(), "apex_amp.", op, ": ", name, " must be contiguous");
+}
+
 inline void validate_fused_adam(
     at::TensorList params,
     at::TensorList grads,
@@ -477,6 +497,7 @@ inline void validate_fused_novograd(
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf,
     const std::optional<at::Tensor>& state_rounding,
+    const std::optional<at::Tensor>& grad_norms,
     const at::Device& device) {
   constexpr const char* op = "fused_novograd_";
   validate_fused_step(
@@ -496,9 +517,16 @@ inline void validate_fused_novograd(
   TORCH_CHECK(
       norm_type == 0 || norm_type == 2, "apex_amp.", op,
       ": norm_type must be 2 (L2) or 0 (L-infinity), got ", norm_type);
+  if (grad_norms.has_value()) {
+    check_per_tensor_values(op, "grad_norms", *grad_norms, 1, static_cast<int64_t>(params.size()), device);
+  }
 }
 
+// fused_lamb_ and its two passes (fused_lamb_moments_: lr unused, no
+// state_rounding; fused_lamb_update_: with the first pass's norm_squares,
+// checked by the caller with check_per_tensor_values).
 inline void validate_fused_lamb(
+    const char* op,
     at::TensorList params,
     at::TensorList grads,
     at::TensorList exp_avgs,
@@ -518,7 +546,6 @@ inline void validate_fused_lamb(
     const std::optional<at::Tensor>& found_inf,
     const std::optional<at::Tensor>& state_rounding,
     const at::Device& device) {
-  constexpr const char* op = "fused_lamb_";
   validate_fused_step(
       op, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, model_params,
       master_remainders, state_absmaxes, inv_scale, found_inf, state_rounding, device);

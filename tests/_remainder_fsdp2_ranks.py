@@ -17,6 +17,13 @@ masters) against O2 with ``master_weights="remainder"`` (amp casts the shards to
 low halves), the same bf16-valued gradients fed to both inside ``amp.scale_loss``, overflows
 injected into one rank's shard (amp's check and found-inf all-reduce skip them).
 
+``whole OPTIMIZER PRECISION STEPS``: an fp32 model sharded by ``fully_shard`` against the same model
+unsharded on every rank, the whole batch on each (so the gradients agree): the sharded steps of the
+optimizers with per-tensor norms (FusedLAMB, FusedNovoGrad) combine their shards' norms over the
+ranks, so the weights follow the unsharded run's to rounding; rank 0 prints the largest
+difference, relative to the largest weight. ``--local-norms`` takes that combination out (each
+rank's norms of its own shards, as without it): the check must then fail.
+
 ``run``: O2 with remainder masters and FusedAdam; ``--train A:B`` steps, ``--load``/``--save`` a DCP
 checkpoint (``amp.checkpoint_state``), ``--out`` the full (gathered) state, ``--then N --then-out``
 N more steps and their state. ``--same-data`` gives every rank the whole batch (the gradients are
@@ -39,7 +46,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from apex_amp import amp, memory_report
-from apex_amp.optimizers import FusedAdagrad, FusedAdam, FusedSGD
+from apex_amp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 from apex_amp.optimizers.fused_optimizer import AmpStepArgs
 from apex_amp.optimizers.state_formats import join_master, split_master
 
@@ -48,6 +55,11 @@ OPTIMIZERS = {
     "FusedAdam": lambda params, **kw: FusedAdam(params, lr=1e-2, weight_decay=0.01, **kw),
     "FusedSGD": lambda params, **kw: FusedSGD(params, lr=0.05, momentum=0.9, **kw),
     "FusedAdagrad": lambda params, **kw: FusedAdagrad(params, lr=1e-2, **kw),
+    # Per-tensor norms: LAMB's trust ratios and clip, NovoGrad's second moments (L2 and L-infinity).
+    "FusedLAMB": lambda params, **kw: FusedLAMB(params, lr=1e-2, weight_decay=0.01, max_grad_norm=0.5, **kw),
+    "FusedNovoGrad": lambda params, **kw: FusedNovoGrad(params, lr=1e-2, betas=(0.95, 0.98), weight_decay=1e-3,
+                                                        **kw),
+    "FusedNovoGrad-linf": lambda params, **kw: FusedNovoGrad(params, lr=1e-2, norm_type=0, **kw),
 }
 
 
@@ -137,11 +149,11 @@ def state_mismatches(first: torch.optim.Optimizer, second: torch.optim.Optimizer
     return count
 
 
-def report(ok: bool, message: str) -> bool:
+def report(ok: bool, message: str, agreed: str = "bitwise") -> bool:
     verdicts = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, ok)
     if dist.get_rank() == 0:
-        print(f"RESULT: {'bitwise' if all(verdicts) else 'differ'} on {len(verdicts)} rank(s): {message}", flush=True)
+        print(f"RESULT: {agreed if all(verdicts) else 'differ'} on {len(verdicts)} rank(s): {message}", flush=True)
     return all(verdicts)
 
 
@@ -221,6 +233,42 @@ def amp_pair(args: argparse.Namespace) -> bool:
         wrong += state_mismatches(with_masters, with_remainders, pairs)
     return report(total(wrong) == 0, f"amp O2 {args.optimizer} {args.precision}: {args.steps} steps, skipped "
                                      f"{skipped}, {total(wrong)} mismatches, remainder run's params {dtypes}")
+
+
+# ---- whole: sharded against unsharded, for the optimizers with per-tensor norms ---------------------
+def whole(args: argparse.Namespace) -> bool:
+    build = OPTIMIZERS[args.optimizer]
+    if args.local_norms:
+        from apex_amp.optimizers import fused_lamb, fused_novograd
+
+        for module in (fused_lamb, fused_novograd):
+            module.reduce_over_shards = lambda values, owners, op="sum": values
+    sharded, plain = make_model(), make_model()
+    fully_shard(sharded[3])
+    fully_shard(sharded)
+    pairs = list(zip(sharded.parameters(), plain.parameters()))
+    optimizers = [build(sharded.parameters(), state_precision=args.precision),
+                  build(plain.parameters(), state_precision=args.precision)]
+    largest_difference = 0.0
+    for step in range(args.steps):
+        x, y = batch(step, same_data=True)
+        for model in (sharded, plain):
+            loss_of(model, x, y).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        for p, q in pairs:
+            difference = float((p.full_tensor() - q).abs().max() / q.abs().max())
+            largest_difference = max(largest_difference, difference)
+    steps = {float(full_group_step(o)) for o in optimizers}
+    return report(largest_difference < args.tolerance and steps == {float(args.steps)},
+                  f"whole {args.optimizer} {args.precision}: {args.steps} steps, sharded against unsharded: largest "
+                  f"difference {largest_difference:.2e} of the largest weight (tolerance {args.tolerance:g}), "
+                  f"step counts {sorted(steps)}", agreed="close")
+
+
+def full_group_step(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    return optimizer.param_groups[0]["step"]
 
 
 # ---- run: one O2 remainder run, with checkpoints -------------------------------------------------
@@ -309,6 +357,12 @@ def parse_args() -> argparse.Namespace:
         mode.add_argument("optimizer", choices=sorted(OPTIMIZERS))
         mode.add_argument("precision", choices=["fp32", "bf16", "fp8", "int8"])
         mode.add_argument("steps", type=int)
+    mode = modes.add_parser("whole")
+    mode.add_argument("optimizer", choices=sorted(OPTIMIZERS))
+    mode.add_argument("precision", choices=["fp32", "bf16", "fp8", "int8"])
+    mode.add_argument("steps", type=int)
+    mode.add_argument("--tolerance", type=float, default=1e-5)
+    mode.add_argument("--local-norms", action="store_true", help="without combining the shards' norms")
     mode = modes.add_parser("run")
     mode.add_argument("--precision", default="int8")
     mode.add_argument("--remainder", action="store_true", help="master_weights='remainder' (else O2's fp32 shards)")
@@ -328,7 +382,7 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        ok = {"direct": direct, "amp": amp_pair, "run": run}[args.mode](args)
+        ok = {"direct": direct, "amp": amp_pair, "whole": whole, "run": run}[args.mode](args)
     finally:
         gc.collect()  # as examples/fsdp.py: destroy the group while Python is alive
         dist.destroy_process_group()

@@ -95,6 +95,15 @@ def _lamb(ns, t: Step) -> None:
                    grad_norm, 1e-2, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False, t.inv_scale, t.found_inf)
 
 
+def _lamb_passes(ns, t: Step) -> None:
+    # fused_lamb_ as FSDP2 runs it: the first pass's squared norms handed to the second.
+    grad_norm = torch.stack([g.float().norm() for g in t.grads]).norm().reshape(1) if t.grads else torch.ones(1)
+    lists = (t.params, t.grads, t.states[0], t.states[1], t.model, t.remainders, t.absmaxes, t.step, grad_norm)
+    moments = (0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0)
+    norm_squares = ns.fused_lamb_moments_(*lists, *moments, t.inv_scale, t.found_inf)
+    ns.fused_lamb_update_(*lists, norm_squares, 1e-2, *moments, False, t.inv_scale, t.found_inf)
+
+
 RULES = {
     "adam": Rule("adam", (False, True), _adam),
     "sgd": Rule("sgd", (False,), _sgd),
@@ -102,6 +111,7 @@ RULES = {
     "adagrad": Rule("adagrad", (True,), _adagrad),
     "novograd": Rule("novograd", (False,), _novograd),
     "lamb": Rule("lamb", (False, True), _lamb),
+    "lamb-passes": Rule("lamb-passes", (False, True), _lamb_passes),
 }
 
 

@@ -4,6 +4,9 @@ The reference (tests/_optimizer_reference.py) is written from apex's kernels in 
 ops run in fp32. Each case runs several steps over lists of sizes 0, 1, odd and more than one
 CPU work unit (16384 elements), then checks dtypes and model copies, unscaling, the skip on
 found_inf, layouts and non-finite gradients. fused_adam_ has its own file (test_ops_adam.py).
+LAMB's two passes as ops of their own (fused_lamb_moments_, fused_lamb_update_) and NovoGrad with
+given gradient norms run every case too, and on tensors split by rows as FSDP2 shards them, with
+the per-tensor values combined over the shards, they step as the whole tensors do.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 import _optimizer_reference as oref
 import _reference as ref
+from _errors import raises_naming
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 SIZES = (1, 33, 0, 1031, 16384 + 77)
@@ -153,6 +157,45 @@ class Lamb(Harness):
                   self.steps_taken, state_dtype=state_dtype, **self.options)
 
 
+class LambPasses(Lamb):
+    """fused_lamb_ as the two ops of its passes (FusedLAMB's step under FSDP2, without the ranks)."""
+
+    op = "fused_lamb_moments_"
+
+    def call(self, amp_ops, grads, inv_scale=None, found_inf=None):
+        o = self.options
+        grad_norm = ref.flag(ref.l2norm(grads)[0], self.params[0].device)
+        lists = (self.params, grads, self.states["exp_avgs"], self.states["exp_avg_sqs"], self.model_params, [], [],
+                 self.step, grad_norm)
+        moments = _lamb_moment_options(o)
+        norm_squares = amp_ops.fused_lamb_moments_(*lists, *moments, inv_scale, found_inf)
+        assert norm_squares.shape == (2, len(self.params)) and norm_squares.dtype == F32
+        amp_ops.fused_lamb_update_(*lists, norm_squares, o["lr"], *moments, o["use_nvlamb"], inv_scale, found_inf)
+
+
+def _lamb_moment_options(o):
+    return (o["beta1"], o["beta2"], o["eps"], o["weight_decay"], o["bias_correction"], o["grad_averaging"],
+            o["adam_w_mode"], o["max_grad_norm"])
+
+
+def _grad_norms(grads, norm_type):
+    """Each gradient's norm in fp32 as the op would compute it: L2, or the largest |g| (norm_type 0)."""
+    norms = [(g.float().norm() if norm_type == 2 else g.float().abs().amax()) if g.numel() else torch.zeros(())
+             for g in grads]
+    return torch.stack(norms).to(grads[0].device) if norms else torch.zeros(0)
+
+
+class NovoGradGivenNorms(NovoGrad):
+    """fused_novograd_ handed the gradient norms (FusedNovoGrad's step under FSDP2)."""
+
+    def call(self, amp_ops, grads, inv_scale=None, found_inf=None):
+        o = self.options
+        amp_ops.fused_novograd_(self.params, grads, self.states["exp_avgs"], self.moments, self.model_params, [], [],
+                                self.step, o["lr"], o["beta1"], o["beta2"], o["eps"], o["weight_decay"],
+                                o["bias_correction"], o["grad_averaging"], o["reg_inside_moment"], o["norm_type"],
+                                inv_scale, found_inf, grad_norms=_grad_norms(grads, o["norm_type"]))
+
+
 SGD = dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, wd_after_momentum=False)
 ADAGRAD = dict(lr=0.05, eps=1e-10, weight_decay=0.0, adagrad_w_mode=False)
 NOVOGRAD = dict(lr=0.01, beta1=0.95, beta2=0.98, eps=1e-8, weight_decay=0.0, bias_correction=True,
@@ -176,6 +219,11 @@ CASES = [
     (Lamb, dict(LAMB, max_grad_norm=float("inf"), adam_w_mode=False), "lamb-l2-no-clip"),
     (Lamb, dict(LAMB, weight_decay=0.0, use_nvlamb=True, grad_averaging=False, bias_correction=False), "nvlamb"),
     (Lamb, dict(LAMB, weight_decay=0.0), "lamb-no-trust-ratio"),
+    (LambPasses, LAMB, "lamb-passes"),
+    (LambPasses, dict(LAMB, max_grad_norm=float("inf"), adam_w_mode=False), "lamb-passes-l2-no-clip"),
+    (LambPasses, dict(LAMB, weight_decay=0.0, use_nvlamb=True), "nvlamb-passes"),
+    (NovoGradGivenNorms, NOVOGRAD, "novograd-given-norms"),
+    (NovoGradGivenNorms, dict(NOVOGRAD, norm_type=0, weight_decay=0.01), "novograd-linf-given-norms"),
 ]
 CASE_IDS = [case_id for _, _, case_id in CASES]
 
@@ -266,7 +314,7 @@ def test_channels_last_state_updates_like_contiguous(amp_ops, harness, options, 
         contiguous.run(amp_ops, [grad])
         channels_last.run(amp_ops, [grad.to(memory_format=torch.channels_last)])
     for a, b in zip(contiguous.tensors(), channels_last.tensors()):
-        if harness in (NovoGrad, Lamb):  # per-tensor norms sum in memory order: rounding differs
+        if issubclass(harness, (NovoGrad, Lamb)):  # per-tensor norms sum in memory order: rounding differs
             tolerance = {"rtol": 1e-6, "atol": 1e-7} if a.dtype == F32 else {"rtol": 8e-3, "atol": 1e-5}
             torch.testing.assert_close(a, b, **tolerance)
         else:
@@ -338,3 +386,142 @@ def test_sgd_first_run_takes_the_gradient_as_the_buffer(amp_ops):
     later.steps_taken = 1  # not a first run: the buffer is damped
     later.run(amp_ops, grads)
     torch.testing.assert_close(later.states["momentum_buffers"][0], grads[0] * (0.9 + 0.5))
+
+
+# ---- FSDP2's shards: dim-0 row blocks of each tensor, the per-tensor values combined over them -----------
+SHARDED_SHAPES = ((7, 33), (1, 5), (3, 130), (5, 16384 // 4 + 9))  # (1, 5): the second shard is empty
+SHARDS = 2
+
+
+def _rows_of(tensors, shard):
+    # FSDP2's Shard(0): ceil(rows / shards) rows per shard, the last ones short (or empty).
+    out = []
+    for t in tensors:
+        per = -(-t.shape[0] // SHARDS)
+        out.append(t[shard * per:(shard + 1) * per].clone())
+    return out
+
+
+def _whole_and_shards(seed):
+    g = torch.Generator().manual_seed(seed)
+    whole = [torch.randn(shape, generator=g) for shape in SHARDED_SHAPES]
+    return whole, [_rows_of(whole, r) for r in range(SHARDS)]
+
+
+def _joined(shards):
+    return [torch.cat(parts) for parts in zip(*shards)]
+
+
+@pytest.mark.parametrize("options", [LAMB, dict(LAMB, weight_decay=0.0, use_nvlamb=True, max_grad_norm=0.5)],
+                         ids=["lamb", "nvlamb-clipped"])
+def test_lamb_passes_on_shards_with_summed_norm_squares_step_as_the_whole_tensors(amp_ops, options):
+    moments = _lamb_moment_options(options)
+    whole_params, shard_params = _whole_and_shards(seed=5)
+    own_norms = [[p.clone() for p in params] for params in shard_params]  # each shard on its own: no sum
+
+    def states(params):
+        return [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+
+    whole_states, shard_states = states(whole_params), [states(p) for p in shard_params]
+    own_states = [states(p) for p in own_norms]
+    whole_step, shard_steps, own_steps = torch.zeros(1), [torch.zeros(1) for _ in range(SHARDS)], \
+        [torch.zeros(1) for _ in range(SHARDS)]
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(50 + step)
+        whole_grads = [torch.randn(p.shape, generator=g) * 1024.0 for p in whole_params]
+        shard_grads = [_rows_of(whole_grads, r) for r in range(SHARDS)]
+        inv_scale = ref.flag(1 / 1024.0)
+        grad_norm = ref.flag(ref.l2norm(whole_grads)[0])  # the global norm, as FusedLAMB computes it
+        amp_ops.fused_lamb_(whole_params, whole_grads, *whole_states, [], [], [], whole_step, grad_norm,
+                            options["lr"], *moments, options["use_nvlamb"], inv_scale, None)
+        lists = [(shard_params[r], shard_grads[r], *shard_states[r], [], [], [], shard_steps[r], grad_norm)
+                 for r in range(SHARDS)]
+        squares = [amp_ops.fused_lamb_moments_(*lists[r], *moments, inv_scale, None) for r in range(SHARDS)]
+        summed = sum(squares)
+        for r in range(SHARDS):
+            amp_ops.fused_lamb_update_(*lists[r], summed, options["lr"], *moments, options["use_nvlamb"],
+                                       inv_scale, None)
+            own = (own_norms[r], shard_grads[r], *own_states[r], [], [], [], own_steps[r], grad_norm)
+            own_squares = amp_ops.fused_lamb_moments_(*own, *moments, inv_scale, None)
+            amp_ops.fused_lamb_update_(*own, own_squares, options["lr"], *moments, options["use_nvlamb"],
+                                       inv_scale, None)
+    for got, want in zip(_joined(shard_params), whole_params):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for k in range(2):
+        for got, want in zip(_joined([s[k] for s in shard_states]), whole_states[k]):
+            assert torch.equal(got, want)  # elementwise: the moments do not depend on the sharding
+    assert all(s.item() == STEPS for s in shard_steps)
+    # The shards' own norms give other trust ratios: the sum is what makes the shards agree.
+    differ = [not torch.allclose(got, want, rtol=1e-4) for got, want in zip(_joined(own_norms), whole_params)]
+    assert any(differ)
+
+
+@pytest.mark.parametrize("norm_type", [2, 0], ids=["l2", "linf"])
+def test_novograd_on_shards_given_the_whole_gradient_norms_steps_as_the_whole_tensors(amp_ops, norm_type):
+    options = dict(NOVOGRAD, norm_type=norm_type, weight_decay=0.01)
+    whole_params, shard_params = _whole_and_shards(seed=6)
+    whole_avgs, shard_avgs = [torch.zeros_like(p) for p in whole_params], \
+        [[torch.zeros_like(p) for p in params] for params in shard_params]
+    whole_moments = [torch.full((1,), -1.0) for _ in whole_params]
+    shard_moments = [[torch.full((1,), -1.0) for _ in whole_params] for _ in range(SHARDS)]
+    whole_step, shard_steps = torch.zeros(1), [torch.zeros(1) for _ in range(SHARDS)]
+    hyper = (options["lr"], options["beta1"], options["beta2"], options["eps"], options["weight_decay"],
+             options["bias_correction"], options["grad_averaging"], options["reg_inside_moment"], norm_type)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(60 + step)
+        whole_grads = [torch.randn(p.shape, generator=g) for p in whole_params]
+        shard_grads = [_rows_of(whole_grads, r) for r in range(SHARDS)]
+        amp_ops.fused_novograd_(whole_params, whole_grads, whole_avgs, whole_moments, [], [], [], whole_step, *hyper,
+                                None, None)
+        per_shard = torch.stack([_grad_norms(grads, norm_type) for grads in shard_grads])
+        norms = per_shard.square().sum(0).sqrt() if norm_type == 2 else per_shard.amax(0)
+        for r in range(SHARDS):
+            amp_ops.fused_novograd_(shard_params[r], shard_grads[r], shard_avgs[r], shard_moments[r], [], [], [],
+                                    shard_steps[r], *hyper, None, None, grad_norms=norms)
+    for got, want in zip(_joined(shard_params), whole_params):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for moments in shard_moments:  # every shard holds the whole tensor's second moment
+        torch.testing.assert_close(torch.cat(moments), torch.cat(whole_moments), rtol=1e-6, atol=0)
+
+
+def test_novograd_given_norms_are_taken_instead_of_the_gradients_own(amp_ops):
+    state = NovoGrad(_params("cpu", (6, 10)), NOVOGRAD)
+    grads = _grads("cpu", (6, 10), 0)
+    given = torch.tensor([3.0, 0.25])
+    amp_ops.fused_novograd_(state.params, grads, state.states["exp_avgs"], state.moments, [], [], [], state.step,
+                            *(NOVOGRAD[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "bias_correction",
+                                                    "grad_averaging", "reg_inside_moment", "norm_type")),
+                            ref.flag(0.5), None, grad_norms=given)
+    assert [m.item() for m in state.moments] == [1.5, 0.125]  # the given norms times inv_scale: the first moments
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(3), torch.zeros(2, dtype=torch.float64), torch.zeros(1, 2)],
+                         ids=["length", "dtype", "shape"])
+def test_novograd_refuses_grad_norms_that_are_not_one_fp32_value_per_param(amp_ops, bad):
+    params = [torch.zeros(4), torch.zeros(3)]
+    with raises_naming("fused_novograd_", "grad_norms"):
+        amp_ops.fused_novograd_(params, [torch.ones_like(p) for p in params], [torch.zeros_like(p) for p in params],
+                                [torch.full((1,), -1.0) for _ in params], [], [], [], torch.zeros(1), 0.01, 0.95, 0.98,
+                                1e-8, 0.0, True, True, False, 2, None, None, grad_norms=bad)
+
+
+@pytest.mark.parametrize("bad", [torch.ones(2), torch.ones(2, 3), torch.ones(2, 2, dtype=torch.float64),
+                                 torch.ones(2, 2).t()], ids=["one-row", "length", "dtype", "transposed"])
+def test_lamb_update_refuses_norm_squares_that_are_not_two_fp32_rows_per_param(amp_ops, bad):
+    params = [torch.ones(4), torch.ones(3)]
+    lists = (params, [torch.ones_like(p) for p in params], [torch.zeros_like(p) for p in params],
+             [torch.zeros_like(p) for p in params], [], [], [], torch.zeros(1), ref.flag(1.0))
+    with raises_naming("fused_lamb_update_", "norm_squares"):
+        amp_ops.fused_lamb_update_(*lists, bad, 0.01, *_lamb_moment_options(LAMB), False, None, None)
+    assert all(torch.equal(p, torch.ones_like(p)) for p in params) and lists[7].item() == 0.0
+
+
+def test_lamb_moments_of_a_skipped_step_are_zeros_and_write_nothing(amp_ops):
+    params = [torch.randn(5, 3), torch.randn(7)]
+    grads = [torch.randn_like(p) for p in params]
+    exp_avgs, exp_avg_sqs = [torch.full_like(p, 0.5) for p in params], [torch.full_like(p, 0.25) for p in params]
+    squares = amp_ops.fused_lamb_moments_(params, grads, exp_avgs, exp_avg_sqs, [], [], [], torch.zeros(1),
+                                          ref.flag(1.0), *_lamb_moment_options(LAMB), None, ref.flag(1.0))
+    assert torch.equal(squares, torch.zeros(2, 2))
+    assert all(torch.equal(m, torch.full_like(m, 0.5)) for m in exp_avgs)
+    assert all(torch.equal(v, torch.full_like(v, 0.25)) for v in exp_avg_sqs)

@@ -73,6 +73,14 @@ def _optimizer_samples():
                                         0.95, 0.98, 1e-8, 0.01, True, True, False, 2], flags
         yield "fused_lamb_", name, [params, grads, zeros(), zeros(), model, [], [], torch.zeros(1), ref.flag(3.0),
                                     1e-2, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False], flags
+        lamb_lists = [params, grads, zeros(), zeros(), model, [], [], torch.zeros(1), ref.flag(3.0)]
+        lamb_moments = [0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0]
+        yield "fused_lamb_moments_", name, [*lamb_lists, *lamb_moments], flags
+        norm_squares = torch.rand(2, len(params), generator=torch.Generator().manual_seed(78)) + 0.5
+        yield "fused_lamb_update_", name, [*lamb_lists, norm_squares, 1e-2, *lamb_moments, False], flags
+        yield "fused_novograd_", f"{name}-given-norms", [
+            params, grads, zeros(), [torch.full((1,), -1.0) for _ in params], model, [], [], torch.zeros(1), 1e-2,
+            0.95, 0.98, 1e-8, 0.01, True, True, False, 2], dict(flags, grad_norms=torch.tensor([2.0, 0.5]))
     params = ref.random_tensors((4, 6), [torch.bfloat16], seed=76)
     grads = ref.random_tensors((4, 6), [torch.bfloat16], seed=77)
     yield "fused_sgd_", "half-plain", [params, grads, [], [], [], [], 0.1, 0.0, 0.0, 0.0, False, False, False], {}
@@ -192,22 +200,29 @@ def test_ops_compile_into_one_graph_with_no_graph_breaks(amp_ops):
 
 
 def _state_format_samples():
-    for rule in ("adam", "sgd", "adagrad", "novograd", "lamb"):
+    for rule in ("adam", "sgd", "adagrad", "novograd", "lamb", "lamb-passes"):  # lamb-passes: its two ops
         for fmt, remainder in (("int8", False), ("fp8", False), ("bf16", True)):
             step = steps.make_step(steps.RULES[rule], [(3, 64), (2, 128)], fmt, 64, grad_dtype=torch.bfloat16,
                                    remainder=remainder, model_dtype=None if remainder else torch.bfloat16,
                                    seed=90)
             recorder = _Recorder()
             steps.RULES[rule].call(recorder, step)
-            yield recorder.op_name, f"{rule}-{fmt}{'-remainder' if remainder else ''}", recorder.args
+            for op_name, args in recorder.calls:
+                yield op_name, f"{rule}-{fmt}{'-remainder' if remainder else ''}", args
 
 
 class _Recorder:
-    """Stands in for an ops namespace: records the op and arguments a call would pass."""
+    """Stands in for an ops namespace: records the ops and arguments the calls would pass (LAMB's first
+    pass returns squared norms for the second to take)."""
+
+    def __init__(self):
+        self.calls = []
 
     def __getattr__(self, op_name):
         def record(*args):
-            self.op_name, self.args = op_name, list(args)
+            self.calls.append((op_name, list(args)))
+            if op_name == "fused_lamb_moments_":
+                return torch.rand(2, len(args[0]), generator=torch.Generator().manual_seed(91)) + 0.5
         return record
 
 

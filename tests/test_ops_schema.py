@@ -32,7 +32,8 @@ def _signature(op_name: str, namespace) -> tuple:
 
 
 OP_NAMES = sorted(OPS)
-OPTIMIZER_OPS = {"fused_adam_", "fused_sgd_", "fused_adagrad_", "fused_novograd_", "fused_lamb_"}
+OPTIMIZER_OPS = {"fused_adam_", "fused_sgd_", "fused_adagrad_", "fused_novograd_", "fused_lamb_", "fused_lamb_moments_",
+                 "fused_lamb_update_"}
 
 
 def test_every_op_is_defined_once_in_the_registry():

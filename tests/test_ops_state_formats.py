@@ -23,9 +23,10 @@ import _state_steps as steps
 from _backends import BACKENDS, namespace_of, skip_unless_the_cpu_has
 from _errors import raises_naming
 from apex_amp import _checks, ops
-from apex_amp.optimizers import fused_adagrad, fused_adam, fused_lamb, fused_novograd, fused_sgd, state_formats
+from apex_amp.optimizers import _lamb_ops, fused_adagrad, fused_adam, fused_novograd, fused_sgd, state_formats
 
-STATEFUL = ("adam", "sgd", "adagrad", "novograd", "lamb")
+# "lamb-passes": fused_lamb_ as its two passes (fused_lamb_moments_, fused_lamb_update_), as under FSDP2.
+STATEFUL = ("adam", "sgd", "adagrad", "novograd", "lamb", "lamb-passes")
 BLOCK = 64
 # (id, shapes): nothing, one block, several blocks, odd row counts, more than one 16384-element work unit.
 SIZES = [
@@ -146,7 +147,7 @@ def test_fallback_skip_decided_on_the_device_masks_codes_absmaxes_and_remainders
     # On CUDA the fallback cannot read found_inf without a sync: every write is masked on the device.
     # Forced on CPU: a taken step equals the step without found_inf, a skipped one writes nothing.
     module = {"adam": fused_adam, "sgd": fused_sgd, "adagrad": fused_adagrad, "novograd": fused_novograd,
-              "lamb": fused_lamb}[rule]
+              "lamb": _lamb_ops, "lamb-passes": _lamb_ops}[rule]
     ns = namespace_of("fallback")
     kwargs = dict(remainder=True, grad_dtype=torch.bfloat16, seed=17)
     masked = steps.make_step(steps.RULES[rule], [(3, BLOCK)], "int8", BLOCK, found_inf=found_inf, **kwargs)

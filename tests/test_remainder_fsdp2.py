@@ -5,7 +5,8 @@ through FSDP2 at ``initialize``; without amp the model is cast before ``fully_sh
 ``master_remainder`` is an int16 DTensor sharded like its parameter: the fused step joins and
 splits each rank's own shards, so sharding changes no value. In-process tests use a 1-rank gloo
 group; the 2-rank ones run tests/_remainder_fsdp2_ranks.py (several seconds a launch: one in
-the fast subset, the 200-step runs marked slow).
+the fast subset, the 200-step runs marked slow). FusedLAMB and FusedNovoGrad, whose norms combine
+the shards over the ranks: tests/test_norm_optimizers_fsdp2.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 
 from _launch import launch
 from apex_amp import amp, memory_report
-from apex_amp.optimizers import FusedAdam, FusedLAMB, FusedNovoGrad
+from apex_amp.optimizers import FusedAdam
 from apex_amp.optimizers.state_formats import join_master
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -144,16 +145,6 @@ def test_amp_refuses_remainders_once_fully_shard_has_run_a_forward(process_group
         amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, master_weights="remainder",
                        verbosity=0)
     assert all(p.dtype == torch.float32 for p in model.parameters())
-
-
-@pytest.mark.parametrize("optimizer_class", [FusedLAMB, FusedNovoGrad])
-def test_optimizers_with_per_tensor_norms_refuse_sharded_remainder_params(process_group, optimizer_class):
-    model = shard(make_model())
-    optimizer = optimizer_class(model.parameters(), lr=1e-2)
-    amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, master_weights="remainder",
-                   verbosity=0)
-    with pytest.raises(RuntimeError, match="does not support parameters sharded by FSDP2.*per-tensor norms"):
-        train(model, optimizer, steps=1)
 
 
 def full_state(model, optimizer) -> dict[str, torch.Tensor]:

@@ -1,9 +1,10 @@
 """FusedLAMB and FusedMixedPrecisionLamb: apex's LAMB, one ``fused_lamb_`` op call per param group and device.
 
-The op is defined here, by its pure-PyTorch implementation (apex_amp/_op_registry.py); its
-math is amp_math.h's ``lamb_moments`` and ``LambHyper`` rule, run by csrc/cpu/fused_lamb_cpu.cpp
-and csrc/cuda/fused_lamb_cuda.cu. The global gradient norm of the clip is one ``l2norm`` op
-call over every gradient of the step, on the device.
+The ops are defined in apex_amp/optimizers/_lamb_ops.py. The global gradient norm of the clip is
+one ``l2norm`` op call over every gradient of the step, on the device. Under FSDP2 each rank
+holds shards: the step runs LAMB's two passes as two op calls (``fused_lamb_moments_``,
+``fused_lamb_update_``) and sums the per-tensor squared norms over the ranks between them, so the
+trust ratios and the clip are those of the whole tensors.
 """
 
 from __future__ import annotations
@@ -13,108 +14,12 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import Tensor
 
-from .. import _checks as check
 from .. import ops
-from .._fallback import commit, f32, shaped_like, step_taken
-from .._op_registry import define
-from ._state_operands import StepOperands
+from .._dtensor import any_dtensor, reduce_over_shards
+from . import _lamb_ops  # noqa: F401  defines the ops
 from .fused_optimizer import AmpStepArgs, FusedBatch, FusedOptimizer, as_step
 
 __all__ = ["FusedLAMB", "FusedMixedPrecisionLamb"]
-
-_OP = "fused_lamb_"
-
-
-def _fake_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-                     grad_norm, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, adam_w_mode,
-                     max_grad_norm, use_nvlamb, inv_scale=None, found_inf=None, state_rounding=None) -> None:
-    device = step.device
-    check.fused_step(_OP, device, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
-                     model_params, master_remainders, state_absmaxes, inv_scale, found_inf, state_rounding)
-    check.scalars(_OP, device, step=step, grad_norm=grad_norm)
-    check.adam_numbers(_OP, lr, beta1, beta2, eps, weight_decay,
-                       max_grad_norm=(max_grad_norm, max_grad_norm > 0.0, "> 0 (inf: no clipping)"))
-
-
-@define(_OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "master_remainders",
-                           "state_absmaxes", "step"), fake=_fake_fused_lamb)
-def fused_lamb_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    model_params: list[Tensor],
-    master_remainders: list[Tensor],
-    state_absmaxes: list[Tensor],
-    step: Tensor,
-    grad_norm: Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    grad_averaging: bool,
-    adam_w_mode: bool,
-    max_grad_norm: float,
-    use_nvlamb: bool,
-    inv_scale: Optional[Tensor] = None,
-    found_inf: Optional[Tensor] = None,
-    state_rounding: Optional[Tensor] = None,
-) -> None:
-    """LAMB over whole lists: gradients unscaled by ``inv_scale`` and divided by the global-norm clip
-    (``grad_norm``, the norm of the gradients as given, times ``inv_scale``, over ``max_grad_norm``
-    when above it), Adam's moments, the update direction (plus decoupled decay in ``adam_w_mode``,
-    L2 decay into the gradient otherwise), applied with lr times each tensor's trust ratio
-    ||param|| / ||direction|| (when decay is on or ``use_nvlamb``); ``step`` incremented first, the
-    fp16/bf16 ``model_params`` written from the updated fp32 params. The moments are read and written
-    in their formats and the masters joined from and split into ``master_remainders``
-    (apex_amp/optimizers/_state_operands.py). Nothing changes when ``found_inf`` is non-zero."""
-    _fake_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-                     grad_norm, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, adam_w_mode,
-                     max_grad_norm, use_nvlamb, inv_scale, found_inf, state_rounding)
-    check.fused_memory(_OP, params, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, model_params,
-                       master_remainders, state_absmaxes)
-    taken = step_taken(found_inf)
-    if taken is False:
-        return
-    step_after = step + 1.0
-    if params:
-        grads, model_params = (shaped_like(t, params) for t in (grads, model_params))
-        operands = StepOperands(params, [exp_avgs, exp_avg_sqs], master_remainders, state_absmaxes, state_rounding)
-        lr, beta1, beta2, eps, weight_decay = (f32(v) for v in (lr, beta1, beta2, eps, weight_decay))
-        beta3 = f32(1.0 - beta1) if grad_averaging else 1.0
-        count = step_after.reshape(()).double()
-        ones = torch.ones((), device=step.device)
-        bc1 = (1.0 - torch.pow(beta1, count)).float() if bias_correction else ones
-        bc2 = (1.0 - torch.pow(beta2, count)).float() if bias_correction else ones
-        unscale = ones if inv_scale is None else inv_scale.reshape(())
-        norm = grad_norm.reshape(()) * unscale
-        clip = torch.where(norm > f32(max_grad_norm), norm / f32(max_grad_norm), ones)
-        new_params, new_avgs, new_sqs = [], [], []
-        for i, p in enumerate(operands.masters):
-            grad = grads[i].float() * unscale / clip
-            if not adam_w_mode:
-                grad = grad + weight_decay * p
-            # The direction from the moments as the kernels' second pass reads them: rounded to a
-            # legacy state's dtype, the fp32 values for the formats (StepOperands.as_stored).
-            m = operands.as_stored(0, i, operands.states[0][i] * beta1 + beta3 * grad)
-            v = operands.as_stored(1, i, operands.states[1][i] * beta2 + f32(1.0 - beta2) * grad * grad)
-            direction = (m / bc1) / (torch.sqrt(v / bc2) + eps)
-            if adam_w_mode:
-                direction = direction + weight_decay * p
-            param_norm = torch.linalg.vector_norm(p)
-            direction_norm = torch.linalg.vector_norm(direction)
-            use_ratio = (use_nvlamb or weight_decay != 0.0)
-            ratio = torch.where((param_norm != 0) & (direction_norm != 0) & use_ratio,
-                                lr * (param_norm / direction_norm), lr * ones)
-            new_params.append(p - ratio * direction)
-            new_avgs.append(m)
-            new_sqs.append(v)
-        operands.write_states(0, new_avgs, taken)
-        operands.write_states(1, new_sqs, taken)
-        operands.write_masters(new_params, taken, model_params)
-    commit([step], [step_after], taken)
 
 
 class FusedLAMB(FusedOptimizer):
@@ -166,7 +71,6 @@ class FusedLAMB(FusedOptimizer):
     STATE_KEYS = ("exp_avg", "exp_avg_sq")
     NONNEGATIVE_STATE_KEYS = frozenset({"exp_avg_sq"})
     COUNTS_STEPS = True
-    UPDATES_SHARDS = False
 
     def __init__(
         self,
@@ -211,10 +115,12 @@ class FusedLAMB(FusedOptimizer):
 
     def _before_groups(self, batches: list[tuple[dict[str, Any], FusedBatch]], amp: AmpStepArgs) -> None:
         # apex clips by the norm of every gradient of the step, all groups together.
-        per_device: dict[torch.device, list[Tensor]] = {}
+        per_device: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}
         for _, batch in batches:
-            per_device.setdefault(batch.device, []).extend(batch.grads)
-        norms = {device: ops.l2norm(grads)[0] for device, grads in per_device.items()}
+            grads, owners = per_device.setdefault(batch.device, ([], []))
+            grads.extend(batch.grads)
+            owners.extend(batch.owners)
+        norms = {device: _global_grad_norm(grads, owners) for device, (grads, owners) in per_device.items()}
         if len(norms) > 1:  # several devices: one global norm, on each of them
             first = next(iter(norms.values()))
             total = torch.stack([n.to(first.device) for n in norms.values()]).norm()
@@ -224,16 +130,32 @@ class FusedLAMB(FusedOptimizer):
     def _fused_step(self, group: dict[str, Any], batch: FusedBatch, amp: AmpStepArgs) -> None:
         device = batch.device
         beta1, beta2 = group["betas"]
-        ops.fused_lamb_(
-            batch.params, batch.grads, batch.states["exp_avg"], batch.states["exp_avg_sq"], batch.model_params,
-            batch.step, self._grad_norms[device].reshape(1), float(group["lr"]), beta1, beta2,
-            float(group["eps"]), float(group["weight_decay"]), bool(group["bias_correction"]),
-            bool(group["grad_averaging"]), self.adam_w_mode, float(group["max_grad_norm"]), self.use_nvlamb,
-            None if amp.inv_scale is None else amp.inv_scale.to(device),
-            None if amp.found_inf is None else amp.found_inf.to(device),
-            master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
-            state_rounding=batch.state_rounding(),
-        )
+        lists = (batch.params, batch.grads, batch.states["exp_avg"], batch.states["exp_avg_sq"], batch.model_params)
+        grad_norm = self._grad_norms[device].reshape(1)
+        inv_scale = None if amp.inv_scale is None else amp.inv_scale.to(device)
+        found_inf = None if amp.found_inf is None else amp.found_inf.to(device)
+        moments = (beta1, beta2, float(group["eps"]), float(group["weight_decay"]), bool(group["bias_correction"]),
+                   bool(group["grad_averaging"]), self.adam_w_mode, float(group["max_grad_norm"]))
+        operands = {"master_remainders": batch.master_remainders, "state_absmaxes": batch.state_absmaxes()}
+        if not any_dtensor(batch.owners):
+            ops.fused_lamb_(*lists, batch.step, grad_norm, float(group["lr"]), *moments, self.use_nvlamb, inv_scale,
+                            found_inf, state_rounding=batch.state_rounding(), **operands)
+            return
+        # FSDP2's shards: the passes apart, the squared norms of the shards summed into the tensors'.
+        norm_squares = ops.fused_lamb_moments_(*lists, batch.step, grad_norm, *moments, inv_scale, found_inf,
+                                               **operands)
+        reduce_over_shards(norm_squares, batch.owners)
+        ops.fused_lamb_update_(*lists, batch.step, grad_norm, norm_squares, float(group["lr"]), *moments,
+                               self.use_nvlamb, inv_scale, found_inf, state_rounding=batch.state_rounding(),
+                               **operands)
+
+
+def _global_grad_norm(grads: list[Tensor], owners: list[Tensor]) -> Tensor:
+    """The L2 norm of all of ``grads`` (``owners``: their params), of the whole tensors under FSDP2."""
+    if not any_dtensor(owners):
+        return ops.l2norm(grads)[0]
+    squares = ops.l2norm(grads, per_tensor=True)[1].square()
+    return reduce_over_shards(squares, owners).sum().sqrt()
 
 
 class FusedMixedPrecisionLamb(FusedLAMB):

@@ -2,7 +2,10 @@
 
 The op is defined here, by its pure-PyTorch implementation (apex_amp/_op_registry.py); its
 math is amp_math.h's ``novograd_blend`` and ``NovoGradHyper`` rule, run by
-csrc/cpu/fused_novograd_cpu.cpp and csrc/cuda/fused_novograd_cuda.cu.
+csrc/cpu/fused_novograd_cpu.cpp and csrc/cuda/fused_novograd_cuda.cu. Under FSDP2 each rank
+holds shards of the gradients: the step computes their per-tensor norms itself, combines them
+over the ranks (apex_amp/_dtensor.py: ``reduce_over_shards``) and hands the op the norms of the
+whole gradients (its ``grad_norms``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from torch import Tensor
 
 from .. import _checks as check
 from .. import ops
+from .._dtensor import any_dtensor, reduce_over_shards
 from .._fallback import commit, f32, shaped_like, step_taken
 from .._op_registry import define
 from ._state_operands import StepOperands
@@ -28,7 +32,8 @@ _UNSEEN = -1.0
 
 def _fake_fused_novograd(params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes,
                          step, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging,
-                         reg_inside_moment, norm_type, inv_scale=None, found_inf=None, state_rounding=None) -> None:
+                         reg_inside_moment, norm_type, inv_scale=None, found_inf=None, state_rounding=None,
+                         grad_norms=None) -> None:
     device = step.device
     check.fused_step(_OP, device, params, grads, {"exp_avgs": exp_avgs}, model_params, master_remainders,
                      state_absmaxes, inv_scale, found_inf, state_rounding)
@@ -40,6 +45,8 @@ def _fake_fused_novograd(params, grads, exp_avgs, exp_avg_sqs, model_params, mas
     check.scalars(_OP, device, step=step)
     check.adam_numbers(_OP, lr, beta1, beta2, eps, weight_decay,
                        norm_type=(norm_type, norm_type in (0, 2), "2 (L2) or 0 (L-infinity)"))
+    if grad_norms is not None:
+        check.per_tensor_values(_OP, device, "grad_norms", grad_norms, 1, len(params))
 
 
 @define(_OP, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "model_params", "master_remainders",
@@ -65,6 +72,7 @@ def fused_novograd_(
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     state_rounding: Optional[Tensor] = None,
+    grad_norms: Optional[Tensor] = None,
 ) -> None:
     """NovoGrad over whole lists: each tensor's unscaled gradient norm (L2, or L-infinity with
     ``norm_type`` 0) blended into its one-element second moment in ``exp_avg_sqs`` (negative: not
@@ -72,10 +80,12 @@ def fused_novograd_(
     ``model_params`` written from the updated fp32 params; ``step`` incremented first. The first
     moments are read and written in their formats and the masters joined from and split into
     ``master_remainders`` (apex_amp/optimizers/_state_operands.py). Nothing changes when
-    ``found_inf`` is non-zero."""
+    ``found_inf`` is non-zero. ``grad_norms`` (float32, one per param, of the gradients as given,
+    before ``inv_scale``), when given, are taken instead of the norms of ``grads``: under FSDP2,
+    the norms of the whole gradients whose shards ``grads`` are."""
     _fake_fused_novograd(params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes,
                          step, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging,
-                         reg_inside_moment, norm_type, inv_scale, found_inf, state_rounding)
+                         reg_inside_moment, norm_type, inv_scale, found_inf, state_rounding, grad_norms)
     check.fused_memory(_OP, params, {"exp_avgs": exp_avgs}, model_params, master_remainders, state_absmaxes)
     check.disjoint_within(_OP, exp_avg_sqs=exp_avg_sqs)
     taken = step_taken(found_inf)
@@ -90,10 +100,7 @@ def fused_novograd_(
         count = step_after.reshape(()).double()
         bc1 = (1.0 - torch.pow(beta1, count)).float() if bias_correction else torch.ones((), device=step.device)
         bc2_sqrt = (1.0 - torch.pow(beta2, count)).sqrt().float() if bias_correction else torch.ones((), device=step.device)
-        if norm_type == 2:
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        else:  # the largest |g| (NaN if any is), 0 for an empty tensor
-            norms = [g.float().abs().amax() if g.numel() else g.new_zeros((), dtype=torch.float32) for g in grads]
+        norms = list(grad_norms) if grad_norms is not None else grad_norms_of(grads, norm_type)
         new_params, new_avgs, new_moments = [], [], []
         for i, p in enumerate(operands.masters):
             norm = norms[i] * inv_scale.reshape(()) if inv_scale is not None else norms[i]
@@ -119,6 +126,21 @@ def fused_novograd_(
         operands.write_states(0, new_avgs, taken)
         operands.write_masters(new_params, taken, model_params)
     commit([step], [step_after], taken)
+
+
+def grad_norms_of(grads: list[Tensor], norm_type: int) -> list[Tensor]:
+    """Each gradient's norm in fp32: L2 (``norm_type`` 2), or the largest |g| (0; NaN if any is), 0 when empty."""
+    if norm_type == 2:
+        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    return [g.float().abs().amax() if g.numel() else g.new_zeros((), dtype=torch.float32) for g in grads]
+
+
+def _whole_grad_norms(grads: list[Tensor], owners: list[Tensor], norm_type: int) -> Tensor:
+    # The norms of the whole gradients from this rank's shards: squares summed, maxima maxed.
+    if norm_type == 2:
+        squares = ops.l2norm(grads, per_tensor=True)[1].square()
+        return reduce_over_shards(squares, owners).sqrt()
+    return reduce_over_shards(torch.stack(grad_norms_of(grads, norm_type)), owners, op="max")
 
 
 class FusedNovoGrad(FusedOptimizer):
@@ -169,7 +191,6 @@ class FusedNovoGrad(FusedOptimizer):
 
     STATE_KEYS = ("exp_avg",)
     COUNTS_STEPS = True
-    UPDATES_SHARDS = False
 
     def __init__(
         self,
@@ -218,13 +239,15 @@ class FusedNovoGrad(FusedOptimizer):
         device = batch.device
         beta1, beta2 = group["betas"]
         moments = [self.state[p]["exp_avg_sq"] for p in batch.owners]
+        norm_type = int(group["norm_type"])
+        # FSDP2's shards: the norms of the whole gradients, the same on every rank (and so the moments).
+        grad_norms = _whole_grad_norms(batch.grads, batch.owners, norm_type) if any_dtensor(batch.owners) else None
         ops.fused_novograd_(
             batch.params, batch.grads, batch.states["exp_avg"], moments, batch.model_params, batch.step,
             float(group["lr"]), beta1, beta2, float(group["eps"]), float(group["weight_decay"]),
-            bool(group["bias_correction"]), bool(group["grad_averaging"]), self.reg_inside_moment,
-            int(group["norm_type"]),
+            bool(group["bias_correction"]), bool(group["grad_averaging"]), self.reg_inside_moment, norm_type,
             None if amp.inv_scale is None else amp.inv_scale.to(device),
             None if amp.found_inf is None else amp.found_inf.to(device),
             master_remainders=batch.master_remainders, state_absmaxes=batch.state_absmaxes(),
-            state_rounding=batch.state_rounding(),
+            state_rounding=batch.state_rounding(), grad_norms=grad_norms,
         )

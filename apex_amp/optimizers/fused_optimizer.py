@@ -102,8 +102,6 @@ class FusedOptimizer(torch.optim.Optimizer):
     # one float32 tensor per group, on the group's device, incremented by the op on the device
     # (not on a skipped step), readable and writable by LR schedulers, saved in state_dict().
     COUNTS_STEPS: ClassVar[bool] = False
-    # Elementwise rules update FSDP2's shards as they are; rules with per-tensor norms need whole tensors.
-    UPDATES_SHARDS: ClassVar[bool] = True
     initial_step: float = 0.0  # the step count a group starts from
     # torch.amp.GradScaler's protocol: it sets self.grad_scale / self.found_inf and calls step().
     _step_supports_amp_scaling: ClassVar[bool] = True
@@ -371,10 +369,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 grad = model_param.grad
             if grad is None:
                 continue
-            if not self.UPDATES_SHARDS and is_dtensor(p):
-                raise RuntimeError(
-                    f"{type(self).__name__} does not support parameters sharded by FSDP2 (fully_shard): its "
-                    "per-tensor norms need whole tensors; use FusedAdam, FusedSGD or FusedAdagrad there")
             if grad.is_sparse:
                 raise RuntimeError(
                     f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam "

@@ -388,8 +388,8 @@ group_formatted(
         state_rounding != nullptr ? const_cast<int64_t*>(state_rounding + 2 * i) : nullptr;
     entry.data[Detail::kExtraList] = remainders ? master_remainders[i].data_ptr()
         : (!model_params.empty() ? model_params[i].data_ptr() : nullptr);
-    if constexpr (Hyper::kTakesTensorValue) {
-      entry.data[Detail::kValueList] = const_cast<float*>(tensor_values + i);
+    if constexpr (Hyper::kTakesTensorValue) {  // (none for LAMB's moments pass, which takes no value)
+      entry.data[Detail::kValueList] = tensor_values != nullptr ? const_cast<float*>(tensor_values + i) : nullptr;
     }
     const at::ScalarType grad = Detail::kReadsGrad ? grads[i].scalar_type() : at::kFloat;
     const at::ScalarType model = model_params.empty() ? at::ScalarType::Undefined : model_params[i].scalar_type();

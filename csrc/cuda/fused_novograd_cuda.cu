@@ -1,6 +1,7 @@
 // CUDA launcher of fused_novograd_: apex's NovoGrad in three launches, no host sync:
 //   1. per-chunk partial norms of the grads (sums of squares, or largest |g|
-//      with norm_type 0) and, per tensor, its norm (reductions.cuh);
+//      with norm_type 0) and, per tensor, its norm (reductions.cuh); skipped
+//      when grad_norms gives them (FSDP2: the norms of the whole gradients);
 //   2. per tensor, the norm (times inv_scale) blended into its one-element
 //      second moment (amp_math.h: novograd_blend), also kept as the tensor's value;
 //   3. the elementwise rule (NovoGradHyper) with that value.
@@ -61,11 +62,12 @@ void fused_novograd_cuda(
     int64_t norm_type,
     const std::optional<at::Tensor>& inv_scale,
     const std::optional<at::Tensor>& found_inf,
-    const std::optional<at::Tensor>& state_rounding) {
+    const std::optional<at::Tensor>& state_rounding,
+    const std::optional<at::Tensor>& grad_norms) {
   const at::Device device = step.device();
   validate_fused_novograd(
       params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes, step,
-      lr, beta1, beta2, eps, weight_decay, norm_type, inv_scale, found_inf, state_rounding, device);
+      lr, beta1, beta2, eps, weight_decay, norm_type, inv_scale, found_inf, state_rounding, grad_norms, device);
   const c10::cuda::CUDAGuard device_guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const FusedStepArgs args{step.data_ptr<float>(), optional_data(inv_scale), optional_data(found_inf),
@@ -75,14 +77,15 @@ void fused_novograd_cuda(
   const int64_t num_tensors = static_cast<int64_t>(params.size());
 
   if (num_tensors > 0) {
-    // 1. Per-tensor gradient norms (an empty tensor's stays 0).
-    at::Tensor norms = at::zeros({num_tensors}, float_options);
+    // 1. Per-tensor gradient norms (an empty tensor's stays 0), unless given.
+    at::Tensor norms = grad_norms.has_value() ? *grad_norms : at::zeros({num_tensors}, float_options);
     const auto groups = group_by_dtype<1>({grads});
     const SlotPlan plan(groups, grads.size());
-    if (plan.num_slots > 0) {
+    if (!grad_norms.has_value() && plan.num_slots > 0) {
       at::Tensor partials = at::empty({plan.num_slots}, float_options);
       chunk_partials(stream, groups, plan, partials.data_ptr<float>(), take_max);
-      per_tensor_from_slots(stream, plan, partials.data_ptr<float>(), norms.data_ptr<float>(), take_max);
+      per_tensor_from_slots(stream, plan, partials.data_ptr<float>(), norms.data_ptr<float>(),
+                            take_max ? SlotCombine::kMax : SlotCombine::kSqrtOfSum);
     }
     // 2. Blended into the second moments.
     at::Tensor moments = at::empty({num_tensors}, float_options);

@@ -69,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cuda(at::TensorList tensors, bool per_
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   if (per_tensor) {
-    per_tensor_from_slots(stream, plan, partials_ptr, norms.data_ptr<float>(), /*take_max=*/false);
+    per_tensor_from_slots(stream, plan, partials_ptr, norms.data_ptr<float>(), SlotCombine::kSqrtOfSum);
   }
   return {total, norms};
 }

@@ -107,18 +107,22 @@ struct TensorSlotRanges {
 };
 static_assert(sizeof(TensorSlotRanges) + 3 * sizeof(void*) <= kKernelArgLimitBytes, "");
 
+// How a tensor's slots become its value: the square root of their sum (a norm
+// from sums of squares), their sum (squared norms, which FSDP2's shards add up
+// before the root: LAMB's passes), or their NaN-propagating maximum.
+enum class SlotCombine : int { kSqrtOfSum, kSum, kMax };
+
 namespace {  // one copy of the kernel per launcher file
 
-// out[position] = sqrt(sum of the tensor's slots), the sum in double (norms
-// from sums of squares), or the NaN-propagating max of its slots (take_max).
+// out[position] = the tensor's slots combined; sums in double.
 __global__ void __launch_bounds__(kCleanupBlockSize) per_tensor_slots_kernel(
     TensorSlotRanges ranges,
     const float* partials,
     float* out,
-    bool take_max) {
+    SlotCombine combine) {
   const float* slots = partials + ranges.first_slot[blockIdx.x];
   const int num_slots = ranges.num_slots[blockIdx.x];
-  if (take_max) {
+  if (combine == SlotCombine::kMax) {
     float largest = 0.f;
     for (int slot = threadIdx.x; slot < num_slots; slot += blockDim.x) {
       largest = NanMaxOp{}(largest, slots[slot]);
@@ -135,7 +139,7 @@ __global__ void __launch_bounds__(kCleanupBlockSize) per_tensor_slots_kernel(
   }
   sum = block_sum<kCleanupBlockSize>(sum);
   if (threadIdx.x == 0) {
-    out[ranges.position[blockIdx.x]] = static_cast<float>(::sqrt(sum));
+    out[ranges.position[blockIdx.x]] = static_cast<float>(combine == SlotCombine::kSum ? sum : ::sqrt(sum));
   }
 }
 
@@ -148,12 +152,12 @@ inline void per_tensor_from_slots(
     const SlotPlan& plan,
     const float* partials,
     float* out,
-    bool take_max) {
+    SlotCombine combine) {
   TensorSlotRanges ranges{};
   int packed = 0;
   const auto launch = [&]() {
     APEX_AMP_LAUNCH(packed, kCleanupBlockSize, 0, stream, per_tensor_slots_kernel)(
-        ranges, partials, out, take_max);
+        ranges, partials, out, combine);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     packed = 0;
   };

@@ -260,7 +260,7 @@ def test_poisoned_and_flushed_blocks_match_bit_for_bit(rule, fmt):
 # CPU kernels'.
 @pytest.mark.parametrize("remainder", [False, True], ids=["fp32-masters", "remainders"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int8"])
-@pytest.mark.parametrize("rule", ["lamb", "novograd"], ids=["lamb", "novograd-l2"])
+@pytest.mark.parametrize("rule", ["lamb", "lamb-passes", "novograd"], ids=["lamb", "lamb-passes", "novograd-l2"])
 def test_norm_based_rules_step_as_their_fp32_values_quantized_again(rule, fmt, remainder):
     shapes = [(0, BLOCK), (1, BLOCK), (3, BLOCK), (2 * 4096 // BLOCK + 3, BLOCK)]
     op = recipe.RULES[rule]
@@ -277,10 +277,11 @@ def test_norm_based_rules_step_as_their_fp32_values_quantized_again(rule, fmt, r
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rule", ["lamb", "lamb-passes"])
 @pytest.mark.parametrize("remainder", [False, True], ids=["fp32-masters", "remainders"])
 @pytest.mark.parametrize("found_inf", [1.0, float("nan")], ids=["one", "nan"])
-def test_a_skipped_lamb_step_writes_nothing(found_inf, remainder):
-    op = recipe.RULES["lamb"]
+def test_a_skipped_lamb_step_writes_nothing(found_inf, remainder, rule):
+    op = recipe.RULES[rule]
     kwargs = dict(remainder=remainder, found_inf=found_inf, seed=10)
     stepped = recipe.make_step(op, [(3, BLOCK), (70, BLOCK)], "int8", BLOCK, **kwargs)
     op.call(EMULATED, stepped)

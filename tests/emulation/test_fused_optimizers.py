@@ -1,11 +1,13 @@
-"""fused_sgd_, fused_adagrad_, fused_novograd_ and fused_lamb_: the emulated CUDA launchers against the CPU kernels.
+"""fused_sgd_, fused_adagrad_, fused_novograd_ and fused_lamb_ (and its two passes, fused_lamb_moments_ and
+fused_lamb_update_): the emulated CUDA launchers against the CPU kernels.
 
 SGD, Adagrad and NovoGrad with the L-infinity norm run the same amp_math.h arithmetic on both
 sides and agree bit for bit. NovoGrad's L2 norm and LAMB's norms are sums whose pieces and
 order differ (a 4096-element chunk's shuffle tree against a 16K-element CPU unit, as for
 l2norm: test_l2norm.py derives the bound), so their per-tensor values agree within a few
 units of the last place and what follows from them (moments, params) to a matching tolerance.
-found_inf skips every launch, step count included.
+found_inf skips every launch, step count included. Given its gradient norms (grad_norms: FSDP2's
+step), NovoGrad's L2 rule agrees bit for bit too.
 """
 
 from __future__ import annotations
@@ -128,8 +130,37 @@ class Lamb(Op):
                         1e-6, 0.01, True, True, True, 1.0, False, inv_scale, found_inf)
 
 
+class LambPasses(Lamb):
+    """fused_lamb_ as its two ops; the first pass's squared norms are compared too."""
+
+    name = "lamb-passes"
+
+    def call(self, ops, side, inv_scale, found_inf):
+        params, grads, states, model = self.lists(side)
+        lists = (params, grads, states[0], states[1], model, [], [], side["step"], flag(50.0))
+        moments = (0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0)
+        side["norm_squares"] = ops.fused_lamb_moments_(*lists, *moments, inv_scale, found_inf)
+        ops.fused_lamb_update_(*lists, side["norm_squares"], 0.01, *moments, False, inv_scale, found_inf)
+
+    def compared(self, side):
+        squares = {"norm_squares": [side["norm_squares"]]} if "norm_squares" in side else {}
+        return {**super().compared(side), **squares}
+
+
+class NovoGradGivenNorms(NovoGrad):
+    """fused_novograd_ handed the norms of its gradients (as FSDP2's step hands the whole tensors')."""
+
+    name = "novograd-given-norms"
+
+    def call(self, ops, side, inv_scale, found_inf):
+        params, grads, states, model = self.lists(side)
+        norms = torch.stack([g.float().norm() if g.numel() else torch.zeros(()) for g in grads])
+        ops.fused_novograd_(params, grads, states[0], side["moments"], model, [], [], side["step"], 0.01, 0.95, 0.98,
+                            1e-8, 0.01, True, True, False, 2, inv_scale, found_inf, grad_norms=norms)
+
+
 @pytest.mark.parametrize("with_model_copy", [False, True], ids=["no-copy", "model-copy"])
-@pytest.mark.parametrize("op", [Sgd, Adagrad], ids=["sgd", "adagrad"])
+@pytest.mark.parametrize("op", [Sgd, Adagrad, NovoGradGivenNorms], ids=["sgd", "adagrad", "novograd-given-norms"])
 def test_elementwise_rules_match_bit_for_bit(limits, op, with_model_copy):
     state = op(limits, with_model_copy, seed=11, grad_scale=2.0**6)
     state.step(inv_scale=2.0**-6)
@@ -151,7 +182,7 @@ def test_novograd_with_the_infinity_norm_matches_bit_for_bit(limits):
 
 
 @pytest.mark.parametrize("with_model_copy", [False, True], ids=["no-copy", "model-copy"])
-@pytest.mark.parametrize("op", [NovoGrad, Lamb], ids=["novograd-l2", "lamb"])
+@pytest.mark.parametrize("op", [NovoGrad, Lamb, LambPasses], ids=["novograd-l2", "lamb", "lamb-passes"])
 def test_norm_based_rules_match_within_the_sums_rounding(limits, op, with_model_copy):
     # The per-tensor sums differ in the last bits; fp16/bf16 storage of what follows may then
     # round one ulp apart (a param near 0 after p - step * direction: a few 1e-5 absolute).
@@ -162,23 +193,29 @@ def test_norm_based_rules_match_within_the_sums_rounding(limits, op, with_model_
     state.assert_close(rtol=8e-3 if half else 2e-5, atol=1e-4 if half else 1e-6)
 
 
-@pytest.mark.parametrize("op", [Sgd, Adagrad, NovoGrad, Lamb], ids=["sgd", "adagrad", "novograd", "lamb"])
+SKIPPING = [Sgd, Adagrad, NovoGrad, NovoGradGivenNorms, Lamb, LambPasses]
+
+
+@pytest.mark.parametrize("op", SKIPPING, ids=[op.name for op in SKIPPING])
 @pytest.mark.parametrize("found_inf", [1.0, float("nan")], ids=["one", "nan"])
 def test_found_inf_skips_every_launch(limits, op, found_inf):
     state = op(limits, True, seed=15)
     before = {name: [t.clone() for t in tensors] for name, tensors in state.compared(state.emulated).items()}
     state.step(inv_scale=0.5, found_inf=found_inf)
     for name, tensors in state.compared(state.emulated).items():
+        if name == "norm_squares":  # the first pass's output: zeros when skipped
+            assert torch.equal(tensors[0], torch.zeros_like(tensors[0])), "norm_squares of a skipped step"
+            continue
         assert_lists_equal(tensors, before[name], f"{name} after a skipped step")
     state.assert_equal()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("op", [Sgd, Adagrad, NovoGrad, Lamb], ids=["sgd", "adagrad", "novograd", "lamb"])
+@pytest.mark.parametrize("op", SKIPPING, ids=[op.name for op in SKIPPING])
 def test_lists_longer_than_one_launch(limits, op):
     state = op(limits, False, seed=16, many=True)
     state.step()
-    if op in (Sgd, Adagrad):
+    if op in (Sgd, Adagrad, NovoGradGivenNorms):
         state.assert_equal()
     else:
         state.assert_close(rtol=8e-3, atol=1e-4)
