@@ -7,7 +7,8 @@
 // - Dequantizing int8/uint8 is a lookup in a 256-entry table of the map entry
 //   the scalar function multiplies by the scale, then the same one fp32
 //   multiply. AVX-512 looks up with permutes of the table held in registers
-//   (gathers are slow on CPUs with the GDS mitigation); AVX2 gathers. fp8
+//   (gathers are slow on CPUs with the GDS mitigation); AVX2 gathers it, but
+//   holds the encoder's small tables (up to 32 entries) in registers too. fp8
 //   codes are decoded from their bits (dequantize_fp8_lanes), to the same
 //   values as c10's conversion.
 // - Quantizing to int8/uint8 is the scalar's count of the midpoints below x.
@@ -308,13 +309,50 @@ inline FVec nearest_integer_f(FVec v) { return _mm256_round_ps(v, _MM_FROUND_TO_
 inline IVec min_i(IVec a, IVec b) { return _mm256_min_epi32(a, b); }
 inline IVec max_i(IVec a, IVec b) { return _mm256_max_epi32(a, b); }
 
-// A table of kEntries floats, read by gathers.
+// table[index] for index in [0, kEntries), kEntries a power of two <= 32, from
+// the table held in registers: a permute over each 8-entry slice, then blends
+// on the index's higher bits (as AVX-512's pick, a quarter of the width).
+template <int kEntries>
+inline FVec pick(const FVec* regs, IVec index) {
+  if constexpr (kEntries <= 8) {
+    return _mm256_permutevar8x32_ps(regs[0], index);  // (the index's low 3 bits)
+  } else {
+    constexpr int kHalf = kEntries / 2;
+    constexpr int kBit = kHalf == 8 ? 3 : kHalf == 16 ? 4 : -1;
+    static_assert(kBit > 0, "pick: at most 32 entries in registers");
+    const FVec low = pick<kHalf>(regs, index);
+    const FVec high = pick<kHalf>(regs + kHalf / 8, index);
+    // blendv reads each lane's sign bit: the index's bit kBit moved there.
+    return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(index, 31 - kBit)));
+  }
+}
+
+// A table of kEntries floats. Up to 32 entries are held in registers and read
+// by permutes (a few micro-ops per 8 lanes: the int8 encoder's zone tables and
+// the search's first levels); larger ones (the 256-entry decode maps, the
+// search's last two levels) by gathers, which cost tens of micro-ops per 8 lanes
+// on some CPUs (AMD Zen 1/2: benchmarks/README.md) and a few on others.
 template <int kEntries>
 struct Table {
+  static constexpr bool kInRegisters = kEntries <= 32;
+  static constexpr int kRegs = kEntries <= 8 ? 1 : kEntries / 8;
+  FVec regs[kInRegisters ? kRegs : 1];
   const float* table;
-  explicit Table(const float* t) : table(t) {}
+  // table: at least max(kEntries, 8) floats (a smaller table's slice is read whole; its
+  // entries past kEntries are never picked).
+  explicit Table(const float* t) : table(t) {
+    if constexpr (kInRegisters) {
+      for (int r = 0; r < kRegs; ++r) {
+        regs[r] = _mm256_loadu_ps(t + 8 * r);
+      }
+    }
+  }
   FVec operator()(IVec index) const {
-    return _mm256_i32gather_ps(table, index, 4);
+    if constexpr (kInRegisters) {
+      return pick<kEntries>(regs, index);
+    } else {
+      return _mm256_i32gather_ps(table, index, 4);
+    }
   }
 };
 
