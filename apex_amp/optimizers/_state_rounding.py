@@ -20,16 +20,18 @@ restores them: a resumed run rounds exactly as the uninterrupted one.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .._dtensor import is_dtensor
+from ._batch_plan import FusedBatch
 from .state_formats import StatePrecision, StateRounding, rounding_key
 
 __all__ = ["ROUNDING_KEYS", "COUNTER_KEY", "resolve_seed", "check_group", "stochastic", "rounding_table",
-           "counter_of", "advance_counter", "rounding_rows", "adopt_loaded"]
+           "counter_of", "advance_counter", "rounding_rows", "prepare_batches", "adopt_loaded"]
 
 # The param-group keys of the rounding (saved in state_dict()'s param_groups), and its step counter.
 ROUNDING_KEYS = ("state_rounding", "state_rounding_seed")
@@ -118,6 +120,31 @@ def rounding_rows(table: Tensor, counter: Tensor) -> Tensor:
     counter = counter.to(table.device)
     # (counter << 32, 0) added to (stream, offset) rows, whose streams are below 2**32.
     return table + torch.stack([counter * _COUNTER_UNIT, torch.zeros_like(counter)])
+
+
+def prepare_batches(param_groups: list[dict[str, Any]], batches: list[tuple[dict[str, Any], FusedBatch]]) -> None:
+    """Advance each stochastic group's counter once for this step and give each of its batches this
+    step's ``rounding_rows`` (the ops' ``state_rounding``); other groups' batches get None."""
+    # The groups are found by identity in a list, not by id() in a dict: torch 2.11's dynamo cannot
+    # trace id() of a dict (a compiled step would break its graph there).
+    counters: list[tuple[dict[str, Any], Tensor]] = []
+    index_of: Optional[dict[int, int]] = None
+    for group, batch in batches:
+        if not stochastic(group):
+            batch.rounding_rows = None
+            continue
+        counter = next((advanced for owner, advanced in counters if owner is group), None)
+        if counter is None:
+            counter = advance_counter(group)
+            counters.append((group, counter))
+        seed = group["state_rounding_seed"]
+        if batch.rounding_table is None or batch.rounding_seed != seed:
+            if index_of is None:  # the params' indices as state_dict() numbers them
+                params = itertools.chain.from_iterable(g["params"] for g in param_groups)
+                index_of = {id(p): index for index, p in enumerate(params)}
+            batch.rounding_table = rounding_table(seed, batch.owners, index_of, batch.device)
+            batch.rounding_seed = seed
+        batch.rounding_rows = rounding_rows(batch.rounding_table, counter)
 
 
 def adopt_loaded(group: dict[str, Any], configured: Mapping[str, Any]) -> None:

@@ -17,9 +17,11 @@ The contract with amp is typed: amp's gradient lifecycle recognises a
 model parameters of the fp32 masters), so the step unscales as it reads and
 skips on the device. ``grad_clears`` / ``clears_to_none`` (how many
 ``zero_grad`` calls, and how many of them set the gradients to None) tell amp
-what a sequence of clears did to the gradients it keeps off the params. ``torch.amp.GradScaler`` drives the same step through
-its own protocol (``_step_supports_amp_scaling``: it sets ``grad_scale`` and
-``found_inf`` on the optimizer), and apex's ``step(grad_scaler=...)`` works too.
+what a sequence of clears did to the gradients it keeps off the params.
+``torch.amp.GradScaler`` drives the same step through its own protocol
+(``_step_supports_amp_scaling``: it sets ``grad_scale`` and ``found_inf`` on
+the optimizer), and apex's ``step(grad_scaler=...)`` works too: both become an
+``AmpStepArgs`` in apex_amp/optimizers/_step_args.py.
 """
 
 from __future__ import annotations
@@ -36,30 +38,11 @@ from .._dtypes import HALF_DTYPES
 from . import _state_rounding as rounding
 from . import _state_storage as storage
 from ._batch_plan import BatchPlan, FusedBatch, copy_of_step, merge_fp32_into_copy_batches
+from ._step_args import AmpStepArgs, leave_grads_unscaled, resolve
 from .state_conversion import adopt_loaded_state
 from .state_formats import split_master
 
 __all__ = ["AmpStepArgs", "FusedBatch", "FusedOptimizer"]
-
-# apex's optimizers once took these step() arguments; apex raised on them, with this message.
-_APEX_LEGACY_ARGUMENTS = ("grads", "output_params", "scale", "grad_norms")
-
-
-@dataclasses.dataclass(frozen=True)
-class AmpStepArgs:
-    """What amp hands a fused optimizer's step.
-
-    Args:
-        found_inf: one-element float32 flag; non-zero makes the whole step a no-op (on the device).
-        inv_scale: one-element float32 factor of gradients left scaled (unscaled as they are read).
-        model_params: ``{fp32 master: half model param}``; a master without ``.grad`` takes its
-            model param's gradient, and the model param is rewritten in the same pass.
-    """
-
-    found_inf: Optional[Tensor] = None
-    inv_scale: Optional[Tensor] = None
-    model_params: Mapping[Tensor, Tensor] = dataclasses.field(default_factory=dict)
-
 
 class FusedOptimizer(torch.optim.Optimizer):
     """Base of apex_amp's fused optimizers (see the module docstring for the contract).
@@ -238,74 +221,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         from_scaler = amp is None and (apex_arguments.get("grad_scaler") is not None
                                        or getattr(self, "found_inf", None) is not None)
-        amp = self._resolve_scaling(amp, apex_arguments)
+        amp = resolve(self, amp, apex_arguments)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         batches = [(group, batch) for group in self.param_groups for batch in self._batches(group, amp)]
-        self._prepare_rounding(batches)
+        rounding.prepare_batches(self.param_groups, batches)
         self._before_groups(batches, amp)
         for group, batch in batches:
             self._fused_step(group, batch, amp)
         if from_scaler and amp.inv_scale is not None:
-            _leave_grads_unscaled(batches, amp)
+            leave_grads_unscaled(batches, amp)
         for _, batch in batches:
             batch.grads = []  # a reused plan's batches must not keep this step's gradients alive
         return loss
-
-    def _prepare_rounding(self, batches: list[tuple[dict[str, Any], FusedBatch]]) -> None:
-        # Each stochastic group's counter advances once per step; each batch gets its rows. The
-        # groups are found by identity in a list, not by id() in a dict: torch 2.11's dynamo cannot
-        # trace id() of a dict (a compiled step would break its graph there).
-        counters: list[tuple[dict[str, Any], Tensor]] = []
-        index_of: Optional[dict[int, int]] = None
-        for group, batch in batches:
-            if not rounding.stochastic(group):
-                batch.rounding_rows = None
-                continue
-            counter = next((advanced for owner, advanced in counters if owner is group), None)
-            if counter is None:
-                counter = rounding.advance_counter(group)
-                counters.append((group, counter))
-            seed = group["state_rounding_seed"]
-            if batch.rounding_table is None or batch.rounding_seed != seed:
-                if index_of is None:  # the params' indices as state_dict() numbers them
-                    params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
-                    index_of = {id(p): index for index, p in enumerate(params)}
-                batch.rounding_table = rounding.rounding_table(seed, batch.owners, index_of, batch.device)
-                batch.rounding_seed = seed
-            batch.rounding_rows = rounding.rounding_rows(batch.rounding_table, counter)
-
-    def _resolve_scaling(self, amp: Optional[AmpStepArgs], apex_arguments: dict[str, Any]) -> AmpStepArgs:
-        legacy = [name for name in _APEX_LEGACY_ARGUMENTS if apex_arguments.get(name) is not None]
-        if legacy:
-            raise RuntimeError(
-                f"{type(self).__name__}.step() got {legacy}: apex's optimizers dropped these arguments. "
-                "Initialize it identically to the torch.optim optimizer and call step() with no arguments")
-        unknown = set(apex_arguments) - set(_APEX_LEGACY_ARGUMENTS) - {"grad_scaler"}
-        if unknown:
-            raise TypeError(f"{type(self).__name__}.step() got unexpected keyword arguments {sorted(unknown)}")
-        grad_scaler = apex_arguments.get("grad_scaler")
-        # torch.amp.GradScaler.step sets these two attributes for an optimizer that scales itself.
-        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        from_scaler = grad_scaler is not None or found_inf is not None
-        if amp is not None and from_scaler:
-            raise RuntimeError(
-                f"{type(self).__name__}.step() was driven by amp and by a torch.amp.GradScaler at once; "
-                "use one of them: amp.initialize with amp.scale_loss, or GradScaler without amp")
-        if amp is not None:
-            return amp
-        if grad_scaler is not None:
-            scale = grad_scaler._get_scale_async()
-            found = grad_scaler._check_inf_per_device(self)
-            found_inf = sum(flag.to(scale.device) for flag in found.values()) if found else None
-            grad_scale = scale
-        if not from_scaler:
-            return AmpStepArgs()
-        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float().reshape(1)
-        return AmpStepArgs(found_inf=None if found_inf is None else found_inf.float().reshape(1),
-                           inv_scale=inv_scale)
 
     # ---- batching --------------------------------------------------------------------------------
     def _batches(self, group: dict[str, Any], amp: AmpStepArgs) -> list[FusedBatch]:
@@ -531,16 +461,3 @@ def as_step(value: Any, device: torch.device) -> Tensor:
     if isinstance(value, Tensor) and value.numel() != 1 or not isinstance(value, (Tensor, int, float)):
         raise ValueError(f"a param group's 'step' must be a number or a one-element tensor, got {value!r}")
     return torch.as_tensor(value).to(device=device, dtype=torch.float32, copy=True).reshape(())
-
-
-def _leave_grads_unscaled(batches: list[tuple[dict[str, Any], FusedBatch]], amp: AmpStepArgs) -> None:
-    # After torch.amp.GradScaler's step, torch's fused optimizers (and apex's) leave the gradients
-    # unscaled for whoever reads them next (a grad-norm logger); an overflowed step leaves them as
-    # they were. Ours unscale as they read without writing back: this pass does it.
-    for _, batch in batches:
-        if not batch.grads:
-            continue
-        factor = amp.inv_scale.to(batch.device).reshape(())
-        if amp.found_inf is not None:
-            factor = torch.where(amp.found_inf.to(batch.device).reshape(()) > 0, torch.ones_like(factor), factor)
-        torch._foreach_mul_(batch.grads, factor)
