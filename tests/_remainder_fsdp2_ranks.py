@@ -5,31 +5,35 @@ shards it with ``fully_shard(..., MixedPrecisionPolicy(param_dtype=bf16, reduce_
 a 64x64 hidden Linear sharded on its own (4096 elements: quantized by int8/fp8 state, in 64-element
 blocks, 32 rows per rank on 2 ranks), the rest by the root (the 3-row output Linear unevenly).
 
-``direct OPTIMIZER PRECISION STEPS``: two bf16 models sharded alike (cast before ``fully_shard``),
+``direct OPTIMIZERS PRECISIONS STEPS``: two bf16 models sharded alike (cast before ``fully_shard``),
 one with ``master_weights=True`` (fp32 master shards in the state), one with ``"remainder"``; the
 second gets the first one's gradient shards, an inf or a NaN is written into one rank's own shard
 on some steps, the ranks agree on the skip (MAX all-reduce) and both optimizers step. After every
 step each rank checks bitwise: remainder + weight == fp32 master, weight == the master rounded to
 nearest, state codes (and absmaxes) equal.
 
-``amp OPTIMIZER PRECISION STEPS``: the same under ``amp.initialize``: O2 (fp32 shards, the
+``amp OPTIMIZERS PRECISIONS STEPS``: the same under ``amp.initialize``: O2 (fp32 shards, the
 masters) against O2 with ``master_weights="remainder"`` (amp casts the shards to bf16 and keeps the
 low halves), the same bf16-valued gradients fed to both inside ``amp.scale_loss``, overflows
 injected into one rank's shard (amp's check and found-inf all-reduce skip them).
 
-``whole OPTIMIZER PRECISION STEPS``: an fp32 model sharded by ``fully_shard`` against the same model
+``whole OPTIMIZERS PRECISIONS STEPS``: an fp32 model sharded by ``fully_shard`` against the same model
 unsharded on every rank, the whole batch on each (so the gradients agree): the sharded steps of the
 optimizers with per-tensor norms (FusedLAMB, FusedNovoGrad) combine their shards' norms over the
 ranks, so the weights follow the unsharded run's to rounding; rank 0 prints the largest
 difference, relative to the largest weight. ``--local-norms`` takes that combination out (each
 rank's norms of its own shards, as without it): the check must then fail.
 
+OPTIMIZERS and PRECISIONS are comma-separated lists: every pair is a case, run one after the other in
+the one process group (a launch costs a few seconds of start-up, more than most cases), each with
+its own ``RESULT`` line naming it.
+
 ``run``: O2 with remainder masters and FusedAdam; ``--train A:B`` steps, ``--load``/``--save`` a DCP
 checkpoint (``amp.checkpoint_state``), ``--out`` the full (gathered) state, ``--then N --then-out``
 N more steps and their state. ``--same-data`` gives every rank the whole batch (the gradients are
 then those of one rank: 1- and 2-rank runs compare bitwise).
 
-Rank 0 prints ``RESULT: ...``; the exit code is 1 when a check fails.
+Rank 0 prints ``RESULT: ...`` per case; the exit code is 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -164,12 +168,12 @@ def total(count: int) -> int:
 
 
 # ---- direct: the fused optimizers on a bf16 model sharded by fully_shard -------------------------
-def direct(args: argparse.Namespace) -> bool:
-    build = OPTIMIZERS[args.optimizer]
+def direct(args: argparse.Namespace, optimizer: str, precision: str) -> bool:
+    build = OPTIMIZERS[optimizer]
     reference, model = shard(make_model(torch.bfloat16)), shard(make_model(torch.bfloat16))
     pairs = list(zip(reference.parameters(), model.parameters()))
-    with_masters = build(reference.parameters(), master_weights=True, state_precision=args.precision)
-    with_remainders = build(model.parameters(), master_weights="remainder", state_precision=args.precision)
+    with_masters = build(reference.parameters(), master_weights=True, state_precision=precision)
+    with_remainders = build(model.parameters(), master_weights="remainder", state_precision=precision)
     wrong, skipped = 0, []
     for step in range(args.steps):
         loss_of(reference, *batch(step, same_data=False)).backward()
@@ -180,24 +184,24 @@ def direct(args: argparse.Namespace) -> bool:
         found_inf = agreed_found_inf(reference)
         if found_inf.item():
             skipped.append(step)
-        for optimizer in (with_masters, with_remainders):
-            optimizer.step(amp=AmpStepArgs(found_inf=found_inf))
-            optimizer.zero_grad()
+        for stepped in (with_masters, with_remainders):
+            stepped.step(amp=AmpStepArgs(found_inf=found_inf))
+            stepped.zero_grad()
         wrong += mismatches([with_masters.state[p]["master_param"] for p, _ in pairs], [q for _, q in pairs],
                             [with_remainders.state[q]["master_remainder"] for _, q in pairs])
         wrong += state_mismatches(with_masters, with_remainders, pairs)
     formats = sorted({str(local(v).dtype) for s in with_remainders.state.values() for v in s.values()})
     shards = [local(q).numel() for _, q in pairs]
-    return report(total(wrong) == 0, f"{args.optimizer} {args.precision}: {args.steps} steps, skipped {skipped}, "
+    return report(total(wrong) == 0, f"{optimizer} {precision}: {args.steps} steps, skipped {skipped}, "
                                      f"{total(wrong)} mismatches, state formats {formats}, local numels {shards}")
 
 
 # ---- amp: O2 with fp32 shards against O2 with remainder masters ------------------------------------
-def amp_pair(args: argparse.Namespace) -> bool:
+def amp_pair(args: argparse.Namespace, optimizer: str, precision: str) -> bool:
     fp32_shards, bf16_shards = shard(make_model()), shard(make_model())
-    build = OPTIMIZERS[args.optimizer]
-    with_masters = build(fp32_shards.parameters(), state_precision=args.precision)
-    with_remainders = build(bf16_shards.parameters(), state_precision=args.precision)
+    build = OPTIMIZERS[optimizer]
+    with_masters = build(fp32_shards.parameters(), state_precision=precision)
+    with_remainders = build(bf16_shards.parameters(), state_precision=precision)
     amp.initialize(fp32_shards, with_masters, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
     amp.initialize(bf16_shards, with_remainders, opt_level="O2", half_dtype=torch.bfloat16,
                    master_weights="remainder", verbosity=0)
@@ -222,22 +226,22 @@ def amp_pair(args: argparse.Namespace) -> bool:
             scaled_loss.backward()
             for p, q in pairs:
                 local(q.grad).copy_(local(p.grad))  # bf16 values: exact
-        for optimizer in (with_masters, with_remainders):
-            optimizer.step()
-            optimizer.zero_grad()
+        for stepped in (with_masters, with_remainders):
+            stepped.step()
+            stepped.zero_grad()
         if amp.step_was_skipped(with_masters) != amp.step_was_skipped(with_remainders):
             wrong += 1
         if amp.step_was_skipped(with_remainders):
             skipped.append(step)
         wrong += mismatches([p for p, _ in pairs], [q for _, q in pairs], remainders())
         wrong += state_mismatches(with_masters, with_remainders, pairs)
-    return report(total(wrong) == 0, f"amp O2 {args.optimizer} {args.precision}: {args.steps} steps, skipped "
+    return report(total(wrong) == 0, f"amp O2 {optimizer} {precision}: {args.steps} steps, skipped "
                                      f"{skipped}, {total(wrong)} mismatches, remainder run's params {dtypes}")
 
 
 # ---- whole: sharded against unsharded, for the optimizers with per-tensor norms ---------------------
-def whole(args: argparse.Namespace) -> bool:
-    build = OPTIMIZERS[args.optimizer]
+def whole(args: argparse.Namespace, optimizer: str, precision: str) -> bool:
+    build = OPTIMIZERS[optimizer]
     if args.local_norms:
         from apex_amp.optimizers import fused_lamb, fused_novograd
 
@@ -247,23 +251,24 @@ def whole(args: argparse.Namespace) -> bool:
     fully_shard(sharded[3])
     fully_shard(sharded)
     pairs = list(zip(sharded.parameters(), plain.parameters()))
-    optimizers = [build(sharded.parameters(), state_precision=args.precision),
-                  build(plain.parameters(), state_precision=args.precision)]
+    optimizers = [build(sharded.parameters(), state_precision=precision),
+                  build(plain.parameters(), state_precision=precision)]
     largest_difference = 0.0
     for step in range(args.steps):
         x, y = batch(step, same_data=True)
         for model in (sharded, plain):
             loss_of(model, x, y).backward()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+        for stepped in optimizers:
+            stepped.step()
+            stepped.zero_grad()
         for p, q in pairs:
             difference = float((p.full_tensor() - q).abs().max() / q.abs().max())
             largest_difference = max(largest_difference, difference)
     steps = {float(full_group_step(o)) for o in optimizers}
-    return report(largest_difference < args.tolerance and steps == {float(args.steps)},
-                  f"whole {args.optimizer} {args.precision}: {args.steps} steps, sharded against unsharded: largest "
-                  f"difference {largest_difference:.2e} of the largest weight (tolerance {args.tolerance:g}), "
+    tolerance = args.tolerance[precision]
+    return report(largest_difference < tolerance and steps == {float(args.steps)},
+                  f"whole {optimizer} {precision}: {args.steps} steps, sharded against unsharded: largest "
+                  f"difference {largest_difference:.2e} of the largest weight (tolerance {tolerance:g}), "
                   f"step counts {sorted(steps)}", agreed="close")
 
 
@@ -349,20 +354,38 @@ def run(args: argparse.Namespace) -> bool:
                         f"{sorted({str(p.dtype) for p in model.parameters()})}")
 
 
+PRECISIONS = ("fp32", "bf16", "fp8", "int8")
+
+
+def names_from(choices):
+    """An argparse type: a comma-separated list of ``choices``."""
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        unknown = [name for name in names if name not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"{unknown} not among {sorted(choices)}")
+        return names
+    return parse
+
+
+def tolerances(text: str) -> dict[str, float]:
+    """``1e-5`` for every precision, or ``fp32=1e-5,int8=5e-3`` (the others: 1e-5)."""
+    if "=" not in text:
+        return dict.fromkeys(PRECISIONS, float(text))
+    given = {name: float(value) for name, value in (part.split("=") for part in text.split(","))}
+    return {name: given.get(name, 1e-5) for name in PRECISIONS}
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     modes = parser.add_subparsers(dest="mode", required=True)
-    for name in ("direct", "amp"):
-        mode = modes.add_parser(name)
-        mode.add_argument("optimizer", choices=sorted(OPTIMIZERS))
-        mode.add_argument("precision", choices=["fp32", "bf16", "fp8", "int8"])
+    cases = {name: modes.add_parser(name) for name in ("direct", "amp", "whole")}
+    for mode in cases.values():
+        mode.add_argument("optimizers", type=names_from(OPTIMIZERS), help="e.g. FusedAdam,FusedSGD")
+        mode.add_argument("precisions", type=names_from(PRECISIONS), help="e.g. fp32,int8")
         mode.add_argument("steps", type=int)
-    mode = modes.add_parser("whole")
-    mode.add_argument("optimizer", choices=sorted(OPTIMIZERS))
-    mode.add_argument("precision", choices=["fp32", "bf16", "fp8", "int8"])
-    mode.add_argument("steps", type=int)
-    mode.add_argument("--tolerance", type=float, default=1e-5)
-    mode.add_argument("--local-norms", action="store_true", help="without combining the shards' norms")
+    cases["whole"].add_argument("--tolerance", type=tolerances, default=tolerances("1e-5"))
+    cases["whole"].add_argument("--local-norms", action="store_true", help="without combining the shards' norms")
     mode = modes.add_parser("run")
     mode.add_argument("--precision", default="int8")
     mode.add_argument("--remainder", action="store_true", help="master_weights='remainder' (else O2's fp32 shards)")
@@ -382,7 +405,13 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        ok = {"direct": direct, "amp": amp_pair, "whole": whole, "run": run}[args.mode](args)
+        if args.mode == "run":
+            ok = run(args)
+        else:
+            case = {"direct": direct, "amp": amp_pair, "whole": whole}[args.mode]
+            # Every case runs, so that one failure does not hide how the others went.
+            ok = all([case(args, optimizer, precision) for optimizer in args.optimizers
+                      for precision in args.precisions])
     finally:
         gc.collect()  # as examples/fsdp.py: destroy the group while Python is alive
         dist.destroy_process_group()

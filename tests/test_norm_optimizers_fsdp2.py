@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _launch import launch
+from _launch import case_result, launch, launch_cases
 from apex_amp import amp
 from apex_amp.optimizers import FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad
 
@@ -32,6 +32,7 @@ if dist.is_available():
 
 RANKS = Path(__file__).resolve().parent / "_remainder_fsdp2_ranks.py"
 NORM_OPTIMIZERS = ["FusedLAMB", "FusedNovoGrad", "FusedNovoGrad-linf"]
+PRECISIONS = ("fp32", "int8")
 
 
 def run_ranks(*args: str, nproc: int = 2, expect: str = "bitwise") -> str:
@@ -41,6 +42,16 @@ def run_ranks(*args: str, nproc: int = 2, expect: str = "bitwise") -> str:
     assert result.returncode == (1 if expect == "differ" else 0), output[-4000:]
     assert f"RESULT: {expect} on {nproc} rank(s)" in result.stdout, output[-4000:]
     return result.stdout
+
+
+def case_of(mode: str, optimizer: str, precision: str, steps: int, *options: str, expect: str = "bitwise",
+            precisions: tuple[str, ...] = PRECISIONS) -> str:
+    """One case's message from the launch running every optimizer and precision of ``mode`` (one start-up)."""
+    result = launch_cases((str(RANKS), mode, ",".join(NORM_OPTIMIZERS), ",".join(precisions), str(steps), *options))
+    label = f"{'amp O2 ' if mode == 'amp' else 'whole ' if mode == 'whole' else ''}{optimizer} {precision}:"
+    verdict, message = case_result(result, label)
+    assert verdict == expect, message
+    return message
 
 
 def largest_difference(stdout: str) -> float:
@@ -132,37 +143,36 @@ def test_two_ranks_novograd_remainders_update_bitwise_like_fp32_masters_through_
 # then moves a code by one step, a fraction of one lr step of its element (seen: 6e-4 of the largest
 # weight after 40 steps, against 1e-2 to 0.8 without the reduction).
 WHOLE_TOLERANCE = {"fp32": 1e-5, "int8": 5e-3}
+TOLERANCES = ",".join(f"{precision}={value:g}" for precision, value in WHOLE_TOLERANCE.items())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("optimizer", NORM_OPTIMIZERS)
 def test_two_ranks_sharded_steps_follow_the_unsharded_model(optimizer, precision):
-    tolerance = WHOLE_TOLERANCE[precision]
-    stdout = run_ranks("whole", optimizer, precision, "40", "--tolerance", str(tolerance), expect="close")
-    assert largest_difference(stdout) < tolerance and "step counts [40.0]" in stdout
+    message = case_of("whole", optimizer, precision, 40, "--tolerance", TOLERANCES, expect="close")
+    assert largest_difference(message) < WHOLE_TOLERANCE[precision] and "step counts [40.0]" in message
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", NORM_OPTIMIZERS)
 def test_two_ranks_sharded_steps_without_the_norm_reduction_leave_the_unsharded_model(optimizer):
-    tolerance = WHOLE_TOLERANCE["int8"]
-    stdout = run_ranks("whole", optimizer, "int8", "40", "--local-norms", "--tolerance", str(tolerance),
-                       expect="differ")
-    assert largest_difference(stdout) > 2 * tolerance
+    message = case_of("whole", optimizer, "int8", 40, "--local-norms", "--tolerance", TOLERANCES,
+                      expect="differ", precisions=("int8",))
+    assert largest_difference(message) > 2 * WHOLE_TOLERANCE["int8"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("optimizer", NORM_OPTIMIZERS)
 def test_two_ranks_remainders_update_bitwise_like_fp32_masters_over_200_steps(optimizer, precision):
-    stdout = run_ranks("direct", optimizer, precision, "200")
-    assert "skipped [3, 20, 37, " in stdout and "0 mismatches" in stdout
+    message = case_of("direct", optimizer, precision, 200)
+    assert "skipped [3, 20, 37, " in message and "0 mismatches" in message
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("optimizer", NORM_OPTIMIZERS)
 def test_two_ranks_amp_o2_remainders_match_o2_fp32_shards_bitwise_over_200_steps(optimizer, precision):
-    stdout = run_ranks("amp", optimizer, precision, "200")
-    assert "skipped [3, 20, 37, " in stdout and "0 mismatches" in stdout and "['torch.bfloat16']" in stdout
+    message = case_of("amp", optimizer, precision, 200)
+    assert "skipped [3, 20, 37, " in message and "0 mismatches" in message and "['torch.bfloat16']" in message

@@ -5,7 +5,7 @@ through FSDP2 at ``initialize``; without amp the model is cast before ``fully_sh
 ``master_remainder`` is an int16 DTensor sharded like its parameter: the fused step joins and
 splits each rank's own shards, so sharding changes no value. In-process tests use a 1-rank gloo
 group; the 2-rank ones run tests/_remainder_fsdp2_ranks.py (several seconds a launch: one in
-the fast subset, the 200-step runs marked slow). FusedLAMB and FusedNovoGrad, whose norms combine
+the fast subset, the 200-step runs marked slow, all the optimizers and precisions of a mode in one launch). FusedLAMB and FusedNovoGrad, whose norms combine
 the shards over the ranks: tests/test_norm_optimizers_fsdp2.py.
 """
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _launch import launch
+from _launch import case_result, launch, launch_cases
 from apex_amp import amp, memory_report
 from apex_amp.optimizers import FusedAdam
 from apex_amp.optimizers.state_formats import join_master
@@ -188,20 +188,33 @@ def test_two_ranks_fused_adam_remainders_update_bitwise_like_fp32_masters_throug
     assert "skipped [3, 20, 22]" in stdout and "0 mismatches" in stdout
 
 
+PRECISIONS = ("fp32", "int8")
+DIRECT_OPTIMIZERS = ("FusedAdam", "FusedSGD", "FusedAdagrad")
+AMP_OPTIMIZERS = ("FusedAdam", "FusedSGD")
+
+
+def case_of(mode: str, optimizers: tuple[str, ...], optimizer: str, precision: str) -> str:
+    """One case's message from the launch of all ``optimizers`` x ``PRECISIONS`` over 200 steps (one start-up)."""
+    result = launch_cases((str(RANKS), mode, ",".join(optimizers), ",".join(PRECISIONS), "200"))
+    verdict, message = case_result(result, f"{'amp O2 ' if mode == 'amp' else ''}{optimizer} {precision}:")
+    assert verdict == "bitwise", message
+    return message
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-@pytest.mark.parametrize("optimizer", ["FusedAdam", "FusedSGD", "FusedAdagrad"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("optimizer", DIRECT_OPTIMIZERS)
 def test_two_ranks_remainders_update_bitwise_like_fp32_masters_over_200_steps(optimizer, precision):
-    stdout = run_ranks("direct", optimizer, precision, "200")
-    assert "skipped [3, 20, 37, " in stdout and "0 mismatches" in stdout
+    message = case_of("direct", DIRECT_OPTIMIZERS, optimizer, precision)
+    assert "skipped [3, 20, 37, " in message and "0 mismatches" in message
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-@pytest.mark.parametrize("optimizer", ["FusedAdam", "FusedSGD"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("optimizer", AMP_OPTIMIZERS)
 def test_two_ranks_amp_o2_remainders_match_o2_fp32_shards_bitwise_over_200_steps(optimizer, precision):
-    stdout = run_ranks("amp", optimizer, precision, "200")
-    assert "skipped [3, 20, 37, " in stdout and "0 mismatches" in stdout and "['torch.bfloat16']" in stdout
+    message = case_of("amp", AMP_OPTIMIZERS, optimizer, precision)
+    assert "skipped [3, 20, 37, " in message and "0 mismatches" in message and "['torch.bfloat16']" in message
 
 
 @pytest.mark.slow
