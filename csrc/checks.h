@@ -4,7 +4,7 @@
 // expected, so a user who hands us the wrong tensor knows which one and why.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 

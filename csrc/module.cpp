@@ -1,6 +1,9 @@
 // The Python module apex_amp._C. The ops themselves are registered with the
-// dispatcher (csrc/ops.cpp); this module only reports how it was built.
-#include <torch/extension.h>
+// dispatcher (csrc/cpu/*.cpp, csrc/cuda/register_cuda.cpp; the schemas in
+// apex_amp/_op_registry.py); this module only reports how it was built, so it
+// needs pybind11 alone, not torch/extension.h (a third of a minute to compile).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "cpu/kernel_table.h"
 #include "state_formats.h"
@@ -14,6 +17,8 @@
 #ifndef APEX_AMP_CUDA_VERSION
 #define APEX_AMP_CUDA_VERSION ""
 #endif
+
+namespace py = pybind11;
 
 namespace {
 

@@ -12,7 +12,7 @@
 
 #include "checks.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 

@@ -1,7 +1,7 @@
 // CPU launcher of fused_adagrad_: apex's Adagrad (amp_math.h: the
 // AdagradHyper rule) over whole lists, one pass per element. found_inf set:
 // nothing changes. Adagrad counts no steps.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <optional>

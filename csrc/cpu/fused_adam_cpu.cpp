@@ -12,7 +12,7 @@
 // step increment). Otherwise step is incremented first, and the bias
 // correction uses the incremented value; this holds for empty lists too, so
 // an optimizer whose parameter groups are all empty still counts its steps.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <optional>

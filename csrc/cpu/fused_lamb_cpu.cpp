@@ -8,7 +8,8 @@
 //   2. the update (the LambHyper rule), lr times each tensor's trust ratio
 //      (lamb_trust_step of the square roots) as its value.
 // found_inf set: nothing changes, step count included (the first pass returns zeros).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cmath>

@@ -5,7 +5,7 @@
 //      (amp_math.h: novograd_blend);
 //   2. the elementwise rule (NovoGradHyper) with that moment as the tensor's value.
 // found_inf set: nothing changes, step count included.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>

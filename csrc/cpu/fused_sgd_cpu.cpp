@@ -1,7 +1,7 @@
 // CPU launcher of fused_sgd_: SGD with momentum (amp_math.h: sgd_update) over
 // whole lists, one pass per element. Without momentum buffers (momentum 0)
 // the rule keeps no state. found_inf set: nothing changes. SGD counts no steps.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <optional>

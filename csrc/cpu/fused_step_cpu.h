@@ -3,7 +3,7 @@
 // kernels (kernel_table.h: RuleOperands).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <initializer_list>

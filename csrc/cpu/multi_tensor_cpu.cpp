@@ -2,7 +2,8 @@
 // l2norm: validate the arguments (validate.h, shared with CUDA), read the device scalars (on the CPU they
 // are plain memory, so this is no sync), and run the kernels of the active
 // instruction set over the whole list in one parallel pass.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cmath>

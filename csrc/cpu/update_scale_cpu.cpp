@@ -1,6 +1,6 @@
 // CPU launcher of update_scale_: validate (validate.h), then apply amp_math.h's
 // update_scale_math once to the one-element state tensors.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <cstdint>

@@ -9,7 +9,7 @@
 
 #include "chunk_packing.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include <array>

@@ -26,7 +26,7 @@
 #include "cuda/state_formats.cuh"
 #include "state_formats.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <array>

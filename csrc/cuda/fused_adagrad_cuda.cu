@@ -4,18 +4,16 @@
 #include "amp_math.h"
 #include "cuda/formatted_rule.cuh"
 #include "cuda/fused_rule.cuh"
+#include "cuda/launchers.h"
 #include "validate.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <optional>
 
 namespace apex_amp {
-namespace {
-
 void fused_adagrad_cuda(
     at::TensorList params,
     at::TensorList grads,
@@ -45,12 +43,6 @@ void fused_adagrad_cuda(
                            rounding_data(state_rounding)};
   run_rule_with_formats(
       stream, params, grads, {state_sums}, model_params, master_remainders, state_absmaxes, hyper, args);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(apex_amp, CUDA, m) {
-  m.impl("fused_adagrad_", &fused_adagrad_cuda);
 }
 
 }  // namespace apex_amp

@@ -4,18 +4,16 @@
 #include "amp_math.h"
 #include "cuda/formatted_rule.cuh"
 #include "cuda/fused_rule.cuh"
+#include "cuda/launchers.h"
 #include "validate.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <optional>
 
 namespace apex_amp {
-namespace {
-
 void fused_adam_cuda(
     at::TensorList params,
     at::TensorList grads,
@@ -48,12 +46,6 @@ void fused_adam_cuda(
   run_rule_with_formats(
       stream, params, grads, {exp_avgs, exp_avg_sqs}, model_params, master_remainders, state_absmaxes, hyper, args);
   increment_step(stream, step.data_ptr<float>(), args.found_inf);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(apex_amp, CUDA, m) {
-  m.impl("fused_adam_", &fused_adam_cuda);
 }
 
 }  // namespace apex_amp

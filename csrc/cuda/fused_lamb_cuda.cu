@@ -14,13 +14,15 @@
 #include "amp_math.h"
 #include "cuda/formatted_rule.cuh"
 #include "cuda/fused_rule.cuh"
+#include "cuda/launchers.h"
 #include "cuda/reductions.cuh"
 #include "validate.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
@@ -304,6 +306,8 @@ FusedStepArgs step_args_of(
                        rounding_data(state_rounding)};
 }
 
+}  // namespace
+
 at::Tensor fused_lamb_moments_cuda(
     at::TensorList params,
     at::TensorList grads,
@@ -412,14 +416,6 @@ void fused_lamb_cuda(
   const LambLists lists{params, grads, exp_avgs, exp_avg_sqs, model_params, master_remainders, state_absmaxes};
   const at::Tensor norm_squares = moments_pass(lists, grad_norm, max_grad_norm, hyper, step_args, stream);
   update_pass(lists, step, grad_norm, norm_squares, lr, max_grad_norm, use_nvlamb, hyper, step_args, stream);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(apex_amp, CUDA, m) {
-  m.impl("fused_lamb_", &fused_lamb_cuda);
-  m.impl("fused_lamb_moments_", &fused_lamb_moments_cuda);
-  m.impl("fused_lamb_update_", &fused_lamb_update_cuda);
 }
 
 }  // namespace apex_amp

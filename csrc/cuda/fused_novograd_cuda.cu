@@ -9,13 +9,15 @@
 #include "amp_math.h"
 #include "cuda/formatted_rule.cuh"
 #include "cuda/fused_rule.cuh"
+#include "cuda/launchers.h"
 #include "cuda/reductions.cuh"
 #include "validate.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <optional>
 
@@ -41,6 +43,8 @@ struct NovoGradBlendFunctor {
     moments_out[chunk.slot] = *moment;
   }
 };
+
+}  // namespace
 
 void fused_novograd_cuda(
     at::TensorList params,
@@ -105,12 +109,6 @@ void fused_novograd_cuda(
                           args, moments.data_ptr<float>());
   }
   increment_step(stream, step.data_ptr<float>(), args.found_inf);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(apex_amp, CUDA, m) {
-  m.impl("fused_novograd_", &fused_novograd_cuda);
 }
 
 }  // namespace apex_amp

@@ -16,7 +16,7 @@
 #include "cuda/launch.cuh"
 #include "cuda/multi_tensor_apply.cuh"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <array>

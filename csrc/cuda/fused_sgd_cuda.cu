@@ -4,18 +4,16 @@
 #include "amp_math.h"
 #include "cuda/formatted_rule.cuh"
 #include "cuda/fused_rule.cuh"
+#include "cuda/launchers.h"
 #include "validate.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <optional>
 
 namespace apex_amp {
-namespace {
-
 void fused_sgd_cuda(
     at::TensorList params,
     at::TensorList grads,
@@ -54,12 +52,6 @@ void fused_sgd_cuda(
       static_cast<float>(weight_decay), nesterov, first_run, wd_after_momentum};
   run_rule_with_formats(
       stream, params, grads, {momentum_buffers}, model_params, master_remainders, state_absmaxes, hyper, args);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(apex_amp, CUDA, m) {
-  m.impl("fused_sgd_", &fused_sgd_cuda);
 }
 
 }  // namespace apex_amp

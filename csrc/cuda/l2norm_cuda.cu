@@ -10,14 +10,16 @@
 //      (Like the CPU kernel: fp32 within a chunk, double across chunks and tensors.)
 #include "cuda/dtype_groups.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/launchers.h"
 #include "cuda/multi_tensor_apply.cuh"
 #include "cuda/reductions.cuh"
 #include "validate.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <tuple>
 #include <vector>
@@ -37,6 +39,8 @@ __global__ void __launch_bounds__(kCleanupBlockSize)
     *total = static_cast<float>(::sqrt(sum));
   }
 }
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> l2norm_cuda(at::TensorList tensors, bool per_tensor) {
   // A list with no tensor never dispatches to CUDA; the first tensor is there.
@@ -72,12 +76,6 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cuda(at::TensorList tensors, bool per_
     per_tensor_from_slots(stream, plan, partials_ptr, norms.data_ptr<float>(), SlotCombine::kSqrtOfSum);
   }
   return {total, norms};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(apex_amp, CUDA, m) {
-  m.impl("l2norm", &l2norm_cuda);
 }
 
 }  // namespace apex_amp

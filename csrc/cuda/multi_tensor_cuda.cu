@@ -8,13 +8,13 @@
 // and the flag is never cleared (apex's "blind write").
 #include "amp_math.h"
 #include "cuda/dtype_groups.cuh"
+#include "cuda/launchers.h"
 #include "cuda/multi_tensor_apply.cuh"
 #include "validate.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 namespace apex_amp {
 namespace {
@@ -132,6 +132,8 @@ struct AxpbyFunctor {
   }
 };
 
+}  // namespace
+
 void check_finite_cuda(at::TensorList tensors, const at::Tensor& found_inf) {
   const at::Device device = found_inf.device();
   validate_check_finite(tensors, found_inf, device);
@@ -205,15 +207,6 @@ void axpby_cuda(
       });
     });
   }
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(apex_amp, CUDA, m) {
-  m.impl("check_finite", &check_finite_cuda);
-  m.impl("unscale_", &unscale_cuda);
-  m.impl("scale_", &scale_cuda);
-  m.impl("axpby_", &axpby_cuda);
 }
 
 }  // namespace apex_amp

@@ -3,13 +3,13 @@
 // scale, so the step's found_inf never has to come back to the host.
 #include "amp_math.h"
 #include "cuda/launch.cuh"
+#include "cuda/launchers.h"
 #include "validate.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <cstdint>
 
@@ -24,6 +24,8 @@ __global__ void update_scale_kernel(
     ScaleRule rule) {
   update_scale_math(*scale, *growth_tracker, *hysteresis_tracker, *found_inf != 0.f, rule);
 }
+
+}  // namespace
 
 void update_scale_cuda(
     const at::Tensor& scale,
@@ -55,12 +57,6 @@ void update_scale_cuda(
       scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
       hysteresis_tracker.data_ptr<int32_t>(), found_inf.data_ptr<float>(), rule);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(apex_amp, CUDA, m) {
-  m.impl("update_scale_", &update_scale_cuda);
 }
 
 }  // namespace apex_amp

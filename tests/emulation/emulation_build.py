@@ -5,9 +5,10 @@
 Writes a ninja file to build/emulation/ and runs ninja (incremental; MAX_JOBS
 jobs, default 2). Two targets, both with AddressSanitizer, UBSan and gcov:
 
-  libapex_amp_emulated.so  csrc/cuda/*.cu compiled as host C++ (the schemas come from
-                           apex_amp's op registry, defined by conftest.py)
-                           with cpp/emulated_ops_prelude.h force-included, plus the
+  libapex_amp_emulated.so  csrc/cuda/*.cu compiled as host C++ with include/cuda_emulation.h
+                           force-included, csrc/cuda/register_cuda.cpp with
+                           cpp/emulated_ops_prelude.h (the schemas come from apex_amp's
+                           op registry, defined by conftest.py), plus the
                            emulated device (cpp/runtime.cpp, cpp/fiber.cpp) and the
                            test-only ops (cpp/inspection_ops.cpp). Its ops are
                            torch.ops.apex_amp_emulated.*; load it only into a process
@@ -117,10 +118,15 @@ def ninja_file(chunk_size: int, out: Path) -> str:
             lines.append(f"  extra = {extra}")
         return q(str(obj))
 
-    emulated = f"-x c++ -include {q(str(prelude))}"
+    # The launchers (*.cu) get the CUDA language as host C++; the registrations
+    # (csrc/cuda/register_cuda.cpp) the prelude that moves them to apex_amp_emulated.
+    launchers = f"-x c++ -include {q(str(HERE / 'include' / 'cuda_emulation.h'))}"
+    registrations = f"-include {q(str(prelude))}"
     csrc_objects = []
     for source in sorted((CSRC / "cuda").glob("*.cu")):
-        csrc_objects.append(compile_step(source, source.stem, emulated))
+        csrc_objects.append(compile_step(source, source.stem, launchers))
+    for source in sorted((CSRC / "cuda").glob("*.cpp")):
+        csrc_objects.append(compile_step(source, source.stem, registrations))
     device = [compile_step(HERE / "cpp" / "runtime.cpp", "runtime"),
               compile_step(HERE / "cpp" / "fiber.cpp", "fiber")]
     inspection = compile_step(HERE / "cpp" / "inspection_ops.cpp", "inspection_ops")

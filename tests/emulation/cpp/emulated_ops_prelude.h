@@ -1,6 +1,7 @@
-// Force-included (g++ -include) into every source of the emulated op library
-// (tests/emulation/emulation_build.py): the CUDA language as host C++, and the op
-// registrations of csrc/ops.cpp and csrc/cuda/*.cu moved from
+// Force-included (g++ -include) into csrc/cuda/register_cuda.cpp in the emulated op
+// library (tests/emulation/emulation_build.py; the launchers, csrc/cuda/*.cu, get
+// cuda_emulation.h alone): the CUDA language as host C++, and the op
+// registrations moved from
 // torch.ops.apex_amp (CUDA dispatch key) to torch.ops.apex_amp_emulated (CPU
 // dispatch key), so that the emulated CUDA launchers take CPU tensors and sit
 // next to the real CPU kernels in one process.
