@@ -88,3 +88,21 @@ def case_result(result: subprocess.CompletedProcess, label: str, nproc: int = 2)
     found = re.search(rf"^RESULT: (\w+) on {nproc} rank\(s\): ({re.escape(label)}.*)$", result.stdout, re.M)
     assert found, f"no result for {label!r} (exit {result.returncode}):\n" + (result.stdout + result.stderr)[-4000:]
     return found.group(1), found.group(2)
+
+
+# tests/_remainder_fsdp2_ranks.py's modes and the prefix of each case's label (its RESULT lines'
+# message starts with PREFIX + "OPTIMIZER PRECISION:").
+CASE_PREFIXES = {"direct": "", "amp": "amp O2 ", "whole": "whole "}
+
+
+def fsdp2_case(script: Path, mode: str, optimizers: tuple[str, ...] | list[str], precisions: tuple[str, ...],
+               steps: int, optimizer: str, precision: str, *options: str, expect: str = "bitwise") -> str:
+    """One case's message from the launch of ``script`` running every optimizer and precision of ``mode``.
+
+    The launch runs once per session for all the tests that ask for its cases (one start-up);
+    the case's verdict must be ``expect``.
+    """
+    command = (str(script), mode, ",".join(optimizers), ",".join(precisions), str(steps), *options)
+    verdict, message = case_result(launch_cases(command), f"{CASE_PREFIXES[mode]}{optimizer} {precision}:")
+    assert verdict == expect, message
+    return message

@@ -49,6 +49,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from _launch import CASE_PREFIXES  # (tests/, this script's folder, is on sys.path)
 from apex_amp import amp, memory_report
 from apex_amp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 from apex_amp.optimizers.fused_optimizer import AmpStepArgs
@@ -192,8 +193,9 @@ def direct(args: argparse.Namespace, optimizer: str, precision: str) -> bool:
         wrong += state_mismatches(with_masters, with_remainders, pairs)
     formats = sorted({str(local(v).dtype) for s in with_remainders.state.values() for v in s.values()})
     shards = [local(q).numel() for _, q in pairs]
-    return report(total(wrong) == 0, f"{optimizer} {precision}: {args.steps} steps, skipped {skipped}, "
-                                     f"{total(wrong)} mismatches, state formats {formats}, local numels {shards}")
+    return report(total(wrong) == 0, f"{CASE_PREFIXES['direct']}{optimizer} {precision}: {args.steps} steps, "
+                                     f"skipped {skipped}, {total(wrong)} mismatches, state formats {formats}, "
+                                     f"local numels {shards}")
 
 
 # ---- amp: O2 with fp32 shards against O2 with remainder masters ------------------------------------
@@ -235,7 +237,7 @@ def amp_pair(args: argparse.Namespace, optimizer: str, precision: str) -> bool:
             skipped.append(step)
         wrong += mismatches([p for p, _ in pairs], [q for _, q in pairs], remainders())
         wrong += state_mismatches(with_masters, with_remainders, pairs)
-    return report(total(wrong) == 0, f"amp O2 {optimizer} {precision}: {args.steps} steps, skipped "
+    return report(total(wrong) == 0, f"{CASE_PREFIXES['amp']}{optimizer} {precision}: {args.steps} steps, skipped "
                                      f"{skipped}, {total(wrong)} mismatches, remainder run's params {dtypes}")
 
 
@@ -267,8 +269,9 @@ def whole(args: argparse.Namespace, optimizer: str, precision: str) -> bool:
     steps = {float(full_group_step(o)) for o in optimizers}
     tolerance = args.tolerance[precision]
     return report(largest_difference < tolerance and steps == {float(args.steps)},
-                  f"whole {optimizer} {precision}: {args.steps} steps, sharded against unsharded: largest "
-                  f"difference {largest_difference:.2e} of the largest weight (tolerance {tolerance:g}), "
+                  f"{CASE_PREFIXES['whole']}{optimizer} {precision}: {args.steps} steps, sharded against "
+                  f"unsharded: largest difference {largest_difference:.2e} of the largest weight "
+                  f"(tolerance {tolerance:g}), "
                   f"step counts {sorted(steps)}", agreed="close")
 
 

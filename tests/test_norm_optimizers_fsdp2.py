@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _launch import case_result, launch, launch_cases
+from _launch import fsdp2_case, launch
 from apex_amp import amp
 from apex_amp.optimizers import FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad
 
@@ -47,11 +47,7 @@ def run_ranks(*args: str, nproc: int = 2, expect: str = "bitwise") -> str:
 def case_of(mode: str, optimizer: str, precision: str, steps: int, *options: str, expect: str = "bitwise",
             precisions: tuple[str, ...] = PRECISIONS) -> str:
     """One case's message from the launch running every optimizer and precision of ``mode`` (one start-up)."""
-    result = launch_cases((str(RANKS), mode, ",".join(NORM_OPTIMIZERS), ",".join(precisions), str(steps), *options))
-    label = f"{'amp O2 ' if mode == 'amp' else 'whole ' if mode == 'whole' else ''}{optimizer} {precision}:"
-    verdict, message = case_result(result, label)
-    assert verdict == expect, message
-    return message
+    return fsdp2_case(RANKS, mode, NORM_OPTIMIZERS, precisions, steps, optimizer, precision, *options, expect=expect)
 
 
 def largest_difference(stdout: str) -> float:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _launch import case_result, launch, launch_cases
+from _launch import fsdp2_case, launch
 from apex_amp import amp, memory_report
 from apex_amp.optimizers import FusedAdam
 from apex_amp.optimizers.state_formats import join_master
@@ -195,10 +195,7 @@ AMP_OPTIMIZERS = ("FusedAdam", "FusedSGD")
 
 def case_of(mode: str, optimizers: tuple[str, ...], optimizer: str, precision: str) -> str:
     """One case's message from the launch of all ``optimizers`` x ``PRECISIONS`` over 200 steps (one start-up)."""
-    result = launch_cases((str(RANKS), mode, ",".join(optimizers), ",".join(PRECISIONS), "200"))
-    verdict, message = case_result(result, f"{'amp O2 ' if mode == 'amp' else ''}{optimizer} {precision}:")
-    assert verdict == "bitwise", message
-    return message
+    return fsdp2_case(RANKS, mode, optimizers, PRECISIONS, 200, optimizer, precision)
 
 
 @pytest.mark.slow
